@@ -1,0 +1,50 @@
+"""Clipping functions and per-group thresholds (DESIGN §2).
+
+A clipping function maps per-example gradient norms ``‖g_i‖`` (shape ``(B,)``, fp32) and a threshold
+``C`` to coefficients ``c_i`` so that the clipped gradient is ``c_i · g_i`` with ``‖c_i g_i‖ ≤ C``:
+
+* ``"abadi"``: ``c_i = min(1, C / ‖g_i‖)`` (Abadi et al., 2016, Alg. 1).
+* ``"automatic"``: ``c_i = C / (‖g_i‖ + γ)`` (Bu et al., "Automatic clipping", 2023), ``γ = 0.01``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CLIPPING_FUNCTIONS = ("abadi", "automatic")
+CLIPPING_STYLES = ("all-layer", "layer-wise")
+
+
+def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float) -> None:
+    """Raise ``ValueError`` naming the bad setting and the allowed values."""
+    if clipping not in CLIPPING_STYLES:
+        raise ValueError(f"clipping={clipping!r} is not supported; use one of {CLIPPING_STYLES}.")
+    if clipping_fn not in CLIPPING_FUNCTIONS:
+        raise ValueError(f"clipping_fn={clipping_fn!r} is not supported; use one of {CLIPPING_FUNCTIONS}.")
+    if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm (C) must be > 0 (math.inf disables clipping), got {max_grad_norm!r}.")
+    if not gamma > 0:
+        raise ValueError(f"automatic clipping needs gamma > 0, got {gamma!r}.")
+    if clipping_fn == "automatic" and math.isinf(max_grad_norm):
+        raise ValueError("clipping_fn='automatic' needs a finite max_grad_norm; use 'abadi' with C=inf to disable.")
+
+
+def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01) -> torch.Tensor:
+    """Per-example coefficients ``c_i`` (shape ``(B,)``, fp32) for norms of shape ``(B,)``.
+
+    With ``max_norm = inf`` and ``"abadi"`` every coefficient is exactly 1 (no clipping).
+    """
+    norms = norms.float()
+    if clipping_fn == "automatic":
+        return max_norm / (norms + gamma)
+    if math.isinf(max_norm):
+        return torch.ones_like(norms)
+    # clamp(max=1) keeps c_i = 1 for ‖g_i‖ ≤ C; the epsilon only protects 0/0.
+    return (max_norm / norms.clamp_min(1e-12)).clamp(max=1.0)
+
+
+def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:
+    """Even split ``C_k = C / sqrt(K)`` so that ``C_tot = sqrt(Σ C_k²) = C`` (DESIGN §2)."""
+    return max_grad_norm / math.sqrt(max(num_groups, 1))

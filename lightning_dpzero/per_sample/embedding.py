@@ -1,0 +1,53 @@
+"""``nn.Embedding`` with repeated tokens and ``padding_idx``.
+
+Example i's weight gradient has one row per *distinct* token it contains: the sum of the output gradients
+at that token's positions. Rows are segment-summed over (example, token) keys, so the cost is
+``O(B·T·p)`` and no ``(B, V, p)`` tensor is ever built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from .base import LayerRule, UnsupportedLayerError
+
+
+class EmbeddingRule(LayerRule):
+    module_types = (nn.Embedding,)
+    param_names = ("weight",)
+
+    def check(self, module, name):
+        for attr, bad in (("max_norm", None), ("sparse", False), ("scale_grad_by_freq", False)):
+            if getattr(module, attr) != bad:
+                raise UnsupportedLayerError(
+                    f"Embedding '{name}' sets {attr}={getattr(module, attr)!r}, which per-example clipping does "
+                    f"not support. Fix: construct it with {attr}={bad!r}.")
+
+    def forward(self, module, x, weight):
+        return F.embedding(x, weight, module.padding_idx)
+
+    def _rows(self, module, x, g):
+        B, p = x.shape[0], g.shape[-1]
+        idx = x.reshape(B, -1)
+        gg = g.reshape(B, -1, p)
+        if module.padding_idx is not None:
+            gg = gg * (idx != module.padding_idx).unsqueeze(-1).to(gg.dtype)
+        return idx, gg
+
+    def norm_sq(self, module, x, g, trainable):
+        idx, gg = self._rows(module, x, g)
+        B, p, V = idx.shape[0], gg.shape[-1], module.num_embeddings
+        key = (torch.arange(B, device=idx.device).unsqueeze(1) * V + idx).reshape(-1)
+        uniq, inv = torch.unique(key, return_inverse=True)
+        rows = torch.zeros(uniq.numel(), p, dtype=torch.float32, device=gg.device)
+        rows.index_add_(0, inv, gg.reshape(-1, p).float())
+        out = torch.zeros(B, dtype=torch.float32, device=gg.device)
+        return out.index_add_(0, torch.div(uniq, V, rounding_mode="floor"), rows.pow(2).sum(1))
+
+    def clipped_grads(self, module, x, g, coef, trainable):
+        idx, gg = self._rows(module, x, g)
+        gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
+        out = torch.zeros(module.num_embeddings, gg.shape[-1], dtype=g.dtype, device=g.device)
+        return [out.index_add_(0, idx.reshape(-1), gw)]

@@ -1,0 +1,47 @@
+"""Reference per-example clipping built from ``torch.func`` (vmap of grad), used by the oracle tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.func import functional_call, grad, vmap
+
+from lightning_dpzero.per_sample.clipping import clip_coefficients
+
+
+def per_example_grads(model, loss_fn, inputs, targets):
+    """{name: (B, *shape)} gradients of each example's own loss, in float64."""
+    params = {k: v.detach().double() for k, v in model.named_parameters() if v.requires_grad}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    model = model.double()
+
+    def one(p, x, y):
+        out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
+        return loss_fn(out, y.unsqueeze(0))
+
+    x = inputs.double() if inputs.is_floating_point() else inputs
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, targets)
+    model.float()
+    return g
+
+
+def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="abadi", gamma=0.01):
+    """Σ_i clip(g_i) per parameter name, all-layer or layer-wise (one group per module)."""
+    names = list(grads)
+    if clipping == "all-layer":
+        groups = [names]
+        thr = [max_grad_norm]
+    else:
+        by_mod: dict[str, list[str]] = {}
+        for n in names:
+            by_mod.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(n)
+        groups = list(by_mod.values())
+        thr = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
+    out = {}
+    for grp, c in zip(groups, thr):
+        sq = sum(grads[n].flatten(1).pow(2).sum(1) for n in grp)
+        coef = clip_coefficients(sq.sqrt(), c, clipping_fn, gamma).double()
+        for n in grp:
+            out[n] = (grads[n] * coef.view(-1, *[1] * (grads[n].dim() - 1))).sum(0)
+    return out
