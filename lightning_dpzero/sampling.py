@@ -1,0 +1,302 @@
+"""Distributed Poisson subsampling for DP-SGD, and the DataLoader plumbing around it.
+
+DP-SGD (Abadi et al., "Deep Learning with Differential Privacy", CCS 2016) is accounted as a composition of
+*Poisson-subsampled* Gaussian mechanisms (Mironov, Talwar, Zhang, "Rényi Differential Privacy of the Sampled
+Gaussian Mechanism", 2019): at every optimizer step each of the N training examples joins the logical batch
+independently with probability q. The privacy guarantee reported by the accountant holds for that sampling,
+so the sampler below draws exactly it, sharded over ranks so no example is seen by two ranks.
+
+Every rank yields the same number of (possibly empty) micro-batches per epoch: a rank that skipped an empty
+batch would leave its peers waiting in a collective forever.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate, default_convert
+
+__all__ = ["DistributedPoissonBatchSampler", "DistributedShuffledBatchSampler", "empty_safe_collate",
+           "private_dataloader", "poisson_sample_rate", "dataset_size"]
+
+
+def _check_int(name: str, value: Any, low: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}. {fix}")
+    return int(value)
+
+
+def _secure_uniform(n: int) -> np.ndarray:
+    """n uniforms in [0, 1) with 53 random bits each, from the OS CSPRNG (no seed, not reproducible)."""
+    raw = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    return (raw >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+class _ShardedBatchSampler(Sampler[list[int]]):
+    """Shared plumbing: rank r owns indices r, r+W, r+2W, ...; epochs; (seed, epoch, rank) generators."""
+
+    sampler_kind = "base"
+
+    def __init__(self, num_samples: int, num_replicas: int, rank: int, accumulate_grad_batches: int,
+                 seed: int, secure_mode: bool) -> None:
+        super().__init__()
+        self.num_samples = _check_int("num_samples", num_samples, 1, "The training set must not be empty.")
+        self.num_replicas = _check_int("num_replicas", num_replicas, 1, "Pass the world size (devices x nodes).")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
+            raise ValueError(f"`rank` must be in [0, num_replicas={num_replicas}), got {rank!r}. "
+                             "Pass this process's global rank.")
+        self.rank = int(rank)
+        self.accumulate_grad_batches = _check_int("accumulate_grad_batches", accumulate_grad_batches, 1,
+                                                  "Use 1 for no gradient accumulation.")
+        self.seed, self.secure_mode = int(seed), bool(secure_mode)
+        self.epoch, self._passes = 0, 0
+        self.shard = np.arange(self.rank, self.num_samples, self.num_replicas, dtype=np.int64)
+
+    @property
+    def sampler(self) -> _ShardedBatchSampler:
+        # Lightning calls `set_epoch` on `dataloader.batch_sampler.sampler` at each epoch start; point it here.
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's stream, as `DistributedSampler.set_epoch`. Iterating again without calling it
+        draws a fresh stream (never a replay of the same batches), still reproducible from the seed."""
+        self.epoch, self._passes = int(epoch), 0
+
+    def _generator(self) -> np.random.Generator:
+        gen = np.random.default_rng([self.seed, self.epoch, self.rank, self._passes])
+        self._passes += 1
+        return gen
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.accumulate_grad_batches
+
+
+class DistributedPoissonBatchSampler(_ShardedBatchSampler):
+    """Poisson subsampling (each example independently with probability q) for DP-SGD, sharded over ranks.
+
+    Args:
+        num_samples: N, the size of the whole training set (all ranks), >= 1.
+        sample_rate: q in (0, 1], the inclusion probability of each example at each optimizer step.
+        num_replicas: W, the number of ranks. Rank r owns the disjoint shard r, r+W, r+2W, ...
+        rank: this process's rank in [0, W).
+        accumulate_grad_batches: K >= 1. One optimizer step's sample on this rank (sorted indices) is split
+            into K consecutive micro-batches whose sizes differ by at most one; some may be empty.
+        steps_per_epoch: optimizer steps per epoch; default max(1, round(1/q)), one expected pass over the data.
+        seed: with `epoch` and `rank`, seeds a `numpy.random.Generator`, so runs reproduce.
+        secure_mode: draw inclusions from the OS CSPRNG (`os.urandom`); the seed is then ignored and no run can
+            be reproduced, which is the point: an attacker who knows the seed learns nothing about the batches.
+
+    Yields `len(self) = steps_per_epoch * K` lists of indices per epoch on every rank, empty lists included.
+    The expected logical batch over all ranks is `expected_batch_size = q * N`; the mechanism divides by it,
+    whatever batch was realised.
+
+    Raises:
+        ValueError: num_samples < 1, q not in (0, 1], rank not in [0, W), K < 1 or steps_per_epoch < 1.
+    """
+
+    sampler_kind = "poisson"
+
+    def __init__(self, num_samples: int, sample_rate: float, num_replicas: int = 1, rank: int = 0,
+                 accumulate_grad_batches: int = 1, steps_per_epoch: int | None = None,
+                 seed: int = 0, secure_mode: bool = False) -> None:
+        super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode)
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+            raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate!r}. It is q = expected batch / N; "
+                             "use a smaller batch size or fewer devices/accumulation steps.")
+        self.sample_rate = float(sample_rate)
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, round(1.0 / self.sample_rate))
+        self.steps_per_epoch = _check_int("steps_per_epoch", steps_per_epoch, 1, "Leave it None for round(1/q).")
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q * N: the expected logical batch per optimizer step over all ranks and micro-batches."""
+        return self.sample_rate * self.num_samples
+
+    @property
+    def batch_size(self) -> int:
+        """Nominal per-rank micro-batch, max(1, round(q N / (W K))), for throughput logging only: real batches vary."""
+        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = None if self.secure_mode else self._generator()
+        n, k = len(self.shard), self.accumulate_grad_batches
+        for _ in range(self.steps_per_epoch):
+            uniforms = _secure_uniform(n) if gen is None else gen.random(n)
+            step = self.shard[uniforms < self.sample_rate]
+            for chunk in np.array_split(step, k):
+                yield chunk.tolist()
+
+
+class DistributedShuffledBatchSampler(_ShardedBatchSampler):
+    """Fixed-size shuffled batches (the common q = B W K / N approximation of Poisson sampling).
+
+    Each rank shuffles its own shard (r, r+W, ...; truncated to N // W so ranks agree) every epoch and yields
+    `steps_per_epoch * K` micro-batches of exactly `batch_size` indices, dropping the remainder. The ledger
+    must record `sampler_kind = "shuffle"`: the Poisson accounting is then an approximation.
+
+    Raises:
+        ValueError: invalid sizes (as the Poisson sampler), or batch_size * K larger than a rank's N // W.
+    """
+
+    sampler_kind = "shuffle"
+
+    def __init__(self, num_samples: int, batch_size: int, num_replicas: int = 1, rank: int = 0,
+                 accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False) -> None:
+        super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode)
+        self.batch_size = _check_int("batch_size", batch_size, 1, "Pass the per-device micro-batch size.")
+        per_rank = self.num_samples // self.num_replicas
+        self.steps_per_epoch = per_rank // (self.batch_size * self.accumulate_grad_batches)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"batch_size={batch_size} x accumulate_grad_batches={accumulate_grad_batches} exceeds "
+                             f"the {per_rank} examples per rank (dataset size {num_samples} over {num_replicas} "
+                             "devices): lower the batch size, devices or accumulate_grad_batches.")
+
+    @property
+    def expected_batch_size(self) -> int:
+        """B * W * K: the logical batch per optimizer step over all ranks."""
+        return self.batch_size * self.num_replicas * self.accumulate_grad_batches
+
+    @property
+    def sample_rate(self) -> float:
+        return self.expected_batch_size / self.num_samples
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shard = self.shard[: self.num_samples // self.num_replicas]
+        if self.secure_mode:
+            order = np.argsort(np.frombuffer(os.urandom(8 * len(shard)), dtype=np.uint64), kind="stable")
+        else:
+            order = self._generator().permutation(len(shard))
+        b = self.batch_size
+        for i in range(len(self)):
+            yield shard[order[i * b:(i + 1) * b]].tolist()
+
+
+def _empty_like(batch: Any) -> Any:
+    """Slice every tensor/array leaf to [:0], keeping tuples, lists, dicts and namedtuples."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[:0]
+    if isinstance(batch, Mapping):
+        items = {k: _empty_like(v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if all(not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple)) for v in batch):
+            return type(batch)()  # a per-example list of plain values (strings, ...): 0 examples
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch
+
+
+class _EmptySafeCollate:
+    """Picklable wrapper (DataLoader workers may be spawned); each worker caches its own template."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Any) -> None:
+        self.collate_fn, self.dataset, self._template = collate_fn, dataset, None
+
+    def __call__(self, examples: list) -> Any:
+        if len(examples) > 0:
+            return self.collate_fn(examples)
+        if self._template is None:
+            self._template = self.collate_fn([self.dataset[0]])
+        return _empty_like(self._template)
+
+
+def empty_safe_collate(collate_fn: Callable[[list], Any] | None, dataset: Any) -> Callable[[list], Any]:
+    """Wrap a collate function so an empty list of examples gives a batch with 0 rows of the right shape and
+    dtype: `dataset[0]` is collated once, cached, and every tensor/array in it sliced to [:0], keeping the
+    nested structure (tuples, lists, dicts, namedtuples). PyTorch's default collate raises IndexError on [].
+
+    Example: TensorDataset(x (N, 3, 4), y (N,)) gives [x (0, 3, 4), y (0,)] with x's and y's dtypes.
+    `collate_fn=None` means `default_collate`. Wrapping twice is a no-op.
+    """
+    if isinstance(collate_fn, _EmptySafeCollate):
+        return collate_fn
+    return _EmptySafeCollate(default_collate if collate_fn is None else collate_fn, dataset)
+
+
+def dataset_size(dataloader: DataLoader) -> int:
+    """N = len(dataloader.dataset). Raises TypeError for an IterableDataset or a dataset without __len__, and
+    ValueError for an empty one: Poisson sampling and the accountant both need N."""
+    dataset = getattr(dataloader, "dataset", None)
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("DP accounting needs the training set's size N; an IterableDataset has none and cannot be "
+                        "Poisson-sampled. Use a map-style Dataset (with __len__ and __getitem__).")
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise TypeError(f"DP accounting needs the training set's size N; {type(dataset).__name__} has no "
+                        "__len__. Give the training dataset a __len__.") from err
+    if n < 1:
+        raise ValueError("DP accounting needs the training set's size N; the training dataset is empty.")
+    return int(n)
+
+
+def poisson_sample_rate(batch_size: int, num_replicas: int, accumulate_grad_batches: int,
+                        dataset_size: int) -> float:
+    """q = batch_size * W * K / N, so the expected logical batch q N equals the nominal B W K.
+
+    Raises:
+        ValueError: a size < 1, or q > 1 (the logical batch is larger than the dataset).
+    """
+    b = _check_int("batch_size", batch_size, 1, "Pass the per-device micro-batch size.")
+    w = _check_int("num_replicas", num_replicas, 1, "Pass the number of devices.")
+    k = _check_int("accumulate_grad_batches", accumulate_grad_batches, 1, "Use 1 for no accumulation.")
+    n = _check_int("dataset_size", dataset_size, 1, "The training set must not be empty.")
+    q = b * w * k / n
+    if q > 1:
+        raise ValueError(f"Sample rate q = batch_size {b} x devices {w} x accumulate_grad_batches {k} / dataset "
+                         f"size {n} = {q:.3g} > 1: the logical batch exceeds the dataset. Lower batch_size, "
+                         "devices or accumulate_grad_batches.")
+    return q
+
+
+def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas: int, rank: int,
+                       accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
+                       poisson: bool = True, steps_per_epoch: int | None = None) -> DataLoader:
+    """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
+
+    `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`.
+    `poisson=False`: a `DistributedShuffledBatchSampler` with the loader's own `batch_size` per rank and
+    micro-batch; `sample_rate` must then equal B W K / N (as from `poisson_sample_rate`), else ValueError.
+    Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
+    multiprocessing_context, generator, prefetch_factor, persistent_workers, pin_memory_device, in_order.
+    The user's sampler, shuffle, batch_size and drop_last are replaced. The result's `batch_sampler` carries
+    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger.
+    """
+    n = dataset_size(dataloader)
+    if poisson:
+        batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
+            n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode)
+    else:
+        if dataloader.batch_size is None:
+            raise ValueError("poisson_sampling=False needs the DataLoader's batch_size (the per-device "
+                             "micro-batch); build the DataLoader with batch_size=B.")
+        batch_sampler = DistributedShuffledBatchSampler(
+            n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode)
+        if not math.isclose(batch_sampler.sample_rate, sample_rate, rel_tol=1e-9):
+            raise ValueError(f"sample_rate={sample_rate} does not match batch_size x devices x "
+                             f"accumulate_grad_batches / N = {batch_sampler.sample_rate}; pass "
+                             "poisson_sample_rate(...) so the ledger records the q actually used.")
+    collate = dataloader.collate_fn
+    if collate is default_convert:  # the user's loader had automatic batching off
+        collate = default_collate
+    kwargs: dict[str, Any] = dict(
+        num_workers=dataloader.num_workers, collate_fn=empty_safe_collate(collate, dataloader.dataset),
+        pin_memory=dataloader.pin_memory, timeout=dataloader.timeout, worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context, generator=dataloader.generator,
+        persistent_workers=dataloader.persistent_workers,
+        pin_memory_device=getattr(dataloader, "pin_memory_device", ""))
+    if dataloader.num_workers > 0:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    if hasattr(dataloader, "in_order"):
+        kwargs["in_order"] = dataloader.in_order
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
