@@ -149,6 +149,9 @@ class PerSampleEngine:
 
     # ---------------------------------------------------------------- backward
     def _on_backward(self, hook: LayerHook, x, g, params) -> list[Optional[torch.Tensor]]:
+        if not self._pending:  # one finalize per backward pass (all-layer gradients, statistics)
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         trainable = hook.trainable()
         sq = hook.rule.norm_sq(hook.module, x, g, trainable)
         scale = self.grad_scale * (x.shape[0] if self.loss_reduction == "mean" else 1)
@@ -160,9 +163,6 @@ class PerSampleEngine:
         # all-layer: book-keep; the clipped gradient is formed once every layer's norm is known.
         self._accumulate_total(sq * scale * scale)
         self._records.append((hook, x, g, scale, trainable))
-        if not self._pending:
-            self._pending = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         return [torch.zeros_like(p) if (p is not None and t) else None for p, t in zip(params, trainable)]
 
     def _accumulate_total(self, sq: torch.Tensor) -> None:

@@ -1,0 +1,19 @@
+"""lightning-dpzero: differentially private training for any LightningModule on DeepSpeed ZeRO 0–3.
+
+Importing the package registers the strategies ``dp_deepspeed``, ``dp_deepspeed_stage_{1,2,3}`` and
+``dp_deepspeed_stage_{2,3}_offload`` with Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .accounting import PrivacyLedger, calibrate_noise_multiplier
+from .callback import PrivacyAccountantCallback
+from .per_sample import PerSampleEngine, UnsupportedLayerError
+from .sampling import DistributedPoissonBatchSampler
+from .strategy import DPDeepSpeedStrategy
+
+DPDeepSpeedStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = ["DPDeepSpeedStrategy", "PrivacyAccountantCallback", "PrivacyLedger", "PerSampleEngine",
+           "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier"]

@@ -1,0 +1,90 @@
+"""Gaussian noise on the optimizer's own partition (DESIGN §4 "step", invariant I3).
+
+DeepSpeed hands the *base* optimizer this rank's fp32 partition of the reduced gradient. A step pre-hook
+on that optimizer turns it into the released DP gradient, in place::
+
+    p.grad ← ( p.grad · W  +  σ · C_tot · z ) / B_exp ,    z ~ N(0, I)
+
+where ``p.grad · W`` undoes DeepSpeed's average over the W data-parallel ranks (what arrives is the
+rank-mean of the per-rank sums of clipped gradients). Each coordinate is noised exactly once per step:
+
+* ZeRO stages 1–3: every rank owns a disjoint partition and draws from its own stream;
+* stage 0: every rank holds the full gradient, so all ranks draw the *same* noise from a shared stream
+  (secure mode: rank 0 draws from OS entropy and broadcasts).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def secure_normal(shape, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Standard normal draws from the OS CSPRNG (``os.urandom``) by the Box–Muller transform, in float64.
+
+    No seed exists, so no checkpoint or log can reproduce the noise.
+    """
+    n = int(np.prod(shape)) if len(shape) else 1
+    m = (n + 1) // 2
+    raw = np.frombuffer(os.urandom(16 * m), dtype=np.uint64).reshape(2, m)
+    u1 = ((raw[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53  # (0, 1]
+    u2 = (raw[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    r = np.sqrt(-2.0 * np.log(u1))
+    z = np.concatenate([r * np.cos(2 * math.pi * u2), r * np.sin(2 * math.pi * u2)])[:n]
+    return torch.from_numpy(z).reshape(shape).to(device=device, dtype=dtype)
+
+
+class NoiseSource:
+    """Where the noise comes from.
+
+    Args:
+        seed: base seed of the PRNG stream (ignored in secure mode). Partitioned ranks use ``seed + rank``
+            so their streams differ; replicated ranks all use ``seed``.
+        secure_mode: draw from the OS CSPRNG instead of a seeded PRNG.
+        replicated: every rank holds the full gradient (ZeRO stage 0).
+        rank: this process's data-parallel rank.
+    """
+
+    def __init__(self, seed: int, secure_mode: bool, replicated: bool, rank: int):
+        self.secure_mode, self.replicated, self.rank = secure_mode, replicated, rank
+        self._gen: Optional[torch.Generator] = None
+        if not secure_mode:
+            self._gen = torch.Generator().manual_seed(int(seed) + (0 if replicated else int(rank)))
+
+    def normal(self, shape, device) -> torch.Tensor:
+        if not self.secure_mode:
+            return torch.randn(shape, generator=self._gen, dtype=torch.float32).to(device)
+        if not self.replicated or not (dist.is_available() and dist.is_initialized()):
+            return secure_normal(shape, device=device)
+        z = secure_normal(shape, device=device) if self.rank == 0 else torch.empty(shape, device=device)
+        dist.broadcast(z, src=0)
+        return z
+
+
+def make_noise_pre_hook(get_scales: Callable[[], tuple[float, float]], source: NoiseSource,
+                        on_applied: Callable[[], None]):
+    """A ``torch.optim.Optimizer.register_step_pre_hook`` hook adding the DP noise in place.
+
+    ``get_scales()`` returns ``(grad_mult, noise_std)``: each gradient coordinate ``x`` becomes
+    ``x · grad_mult + noise_std · z`` (fp32). A parameter with no gradient is noised from zero: every
+    trainable coordinate is released with noise, even one that received no gradient this step.
+    """
+
+    def hook(optimizer, args, kwargs):
+        grad_mult, std = get_scales()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.mul_(grad_mult)
+                if std > 0:
+                    p.grad.add_(source.normal(p.grad.shape, p.grad.device).to(p.grad.dtype), alpha=std)
+        on_applied()
+        return None
+
+    return hook
