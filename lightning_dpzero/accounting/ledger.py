@@ -1,0 +1,276 @@
+"""The privacy ledger: the source of truth for epsilon.
+
+A ledger is an ordered list of runs of identical DP-SGD steps ``(q, sigma, steps, sampler)`` plus
+fixed metadata (delta, dataset size N, accountant, run id) and a SHA-256 hash chain over the entries
+and the metadata. Epsilon is always recomputed from the entries by dp-accounting
+(see :mod:`lightning_dpzero.accounting.accountants`); it is never stored as a number to trust.
+
+The hash chain is tamper-*evidence* against hand edits and corruption (a changed step count, sigma,
+q, delta or N makes :meth:`PrivacyLedger.verify`, ``from_dict`` and ``load`` raise
+:class:`LedgerIntegrityError`); it carries no secret, so it does not resist a deliberate forger who
+recomputes the hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+from .accountants import _check_accountant, _check_delta, compute_epsilon
+
+SAMPLERS = ("poisson", "shuffle")
+FORMAT = "lightning_dpzero.privacy_ledger"
+FORMAT_VERSION = 1
+_GENESIS = "0" * 64
+_DISTRIBUTIONS = {"lightning_dpzero": "lightning-dpzero", "torch": "torch", "deepspeed": "deepspeed",
+                  "lightning": "lightning", "dp_accounting": "dp-accounting"}
+
+
+class LedgerIntegrityError(ValueError):
+    """A saved or in-memory ledger does not match its hash chain, or is malformed."""
+
+
+@dataclass
+class LedgerEntry:
+    """One run of identical steps.
+
+    Attributes:
+        sample_rate: q in (0, 1], the probability that an example is in a step's batch
+            (for ``sampler="shuffle"``, q = B/N of fixed-size shuffled batches, accounted *as if*
+            Poisson: a common approximation, recorded so that it stays visible).
+        noise_multiplier: sigma >= 0, noise std divided by the total clipping norm.
+        steps: number of optimizer steps in this run, >= 1.
+        sampler: ``"poisson"`` or ``"shuffle"``.
+    """
+
+    sample_rate: float
+    noise_multiplier: float
+    steps: int
+    sampler: str = "poisson"
+
+    def __post_init__(self):
+        _validate(self.sample_rate, self.noise_multiplier, self.sampler, self.steps)
+        self.sample_rate, self.noise_multiplier = float(self.sample_rate), float(self.noise_multiplier)
+        self.steps = int(self.steps)
+
+
+def _validate(sample_rate, noise_multiplier, sampler, steps):
+    if isinstance(sample_rate, bool) or not 0.0 < float(sample_rate) <= 1.0:
+        raise ValueError(f"sample_rate must be in (0, 1] (expected batch size / dataset size), "
+                         f"got {sample_rate!r}.")
+    s = float(noise_multiplier)
+    if not (s >= 0.0 and math.isfinite(s)):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS!r}, got {sampler!r}.")
+    if isinstance(steps, bool) or int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
+
+
+def _library_versions() -> dict:
+    out = {}
+    for key, dist in _DISTRIBUTIONS.items():
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+class PrivacyLedger:
+    """Ordered runs of (q, sigma, steps) + metadata + a hash chain. The source of truth for epsilon.
+
+    Args:
+        delta: target delta in (0, 1) for the reported epsilon.
+        dataset_size: N, the number of training examples (q is a rate against N), >= 1.
+        accountant: ``"pld"`` (default, tight) or ``"rdp"``.
+        run_id: identifies the training run (a random uuid4 hex if None); resume refuses a ledger
+            from another run (:meth:`same_run`).
+
+    Attributes ``entries`` (list of :class:`LedgerEntry`), ``delta``, ``dataset_size``,
+    ``accountant``, ``run_id`` and ``versions`` (installed versions of lightning_dpzero, torch,
+    deepspeed, lightning, dp_accounting; missing ones absent; informational, not hashed).
+    Raises ValueError on invalid arguments.
+    """
+
+    def __init__(self, delta: float, dataset_size: int, accountant: str = "pld",
+                 run_id: str | None = None):
+        self.delta = _check_delta(delta)
+        if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
+            raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}.")
+        self.dataset_size = int(dataset_size)
+        self.accountant = _check_accountant(accountant)
+        self.run_id = uuid.uuid4().hex if run_id is None else str(run_id)
+        self.versions = _library_versions()
+        self.entries: list[LedgerEntry] = []
+        self._hashes: list[str] = []
+
+    # ----------------------------------------------------------------- hash chain
+    def _metadata(self) -> dict:
+        return {"delta": self.delta, "dataset_size": self.dataset_size,
+                "accountant": self.accountant, "run_id": self.run_id}
+
+    def _genesis(self) -> str:
+        return hashlib.sha256((_GENESIS + _canonical(self._metadata())).encode()).hexdigest()
+
+    def _entry_hash(self, prev: str, entry: LedgerEntry) -> str:
+        payload = _canonical({"entry": asdict(entry), "ledger": self._metadata()})
+        return hashlib.sha256((prev + payload).encode()).hexdigest()
+
+    def _chain(self) -> list[str]:
+        hashes, prev = [], self._genesis()
+        for e in self.entries:
+            prev = self._entry_hash(prev, e)
+            hashes.append(prev)
+        return hashes
+
+    @property
+    def head(self) -> str:
+        """Hash of the last entry (of the metadata alone for an empty ledger)."""
+        return self._hashes[-1] if self._hashes else self._genesis()
+
+    def verify(self) -> None:
+        """Recompute the hash chain; raise LedgerIntegrityError if entries or metadata were edited
+        since they were charged or loaded."""
+        if len(self._hashes) != len(self.entries) or self._chain() != self._hashes:
+            raise LedgerIntegrityError(
+                f"privacy ledger {self.run_id!r} does not match its hash chain: an entry or the "
+                "metadata (delta, dataset_size, accountant, run_id) was edited.")
+
+    # ----------------------------------------------------------------- charging
+    def charge(self, sample_rate: float, noise_multiplier: float, sampler: str = "poisson",
+               steps: int = 1) -> None:
+        """Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism (q, sigma).
+
+        Merges into the last entry when (q, sigma, sampler) are identical, else opens a new entry.
+        Raises ValueError naming the argument: q not in (0, 1], sigma < 0 or not finite,
+        steps < 1, sampler not "poisson"/"shuffle"."""
+        _validate(sample_rate, noise_multiplier, sampler, steps)
+        q, s, n = float(sample_rate), float(noise_multiplier), int(steps)
+        last = self.entries[-1] if self.entries else None
+        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler) == (q, s, sampler):
+            last.steps += n
+            prev = self._hashes[-2] if len(self._hashes) > 1 else self._genesis()
+            self._hashes[-1] = self._entry_hash(prev, last)
+        else:
+            entry = LedgerEntry(q, s, n, sampler)
+            self.entries.append(entry)
+            self._hashes.append(self._entry_hash(self.head, entry))
+
+    @property
+    def steps(self) -> int:
+        """Total number of charged steps."""
+        return sum(e.steps for e in self.entries)
+
+    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
+        """Exact epsilon (dp-accounting) of all entries at ``delta`` (default: the ledger's) with
+        ``accountant`` (default: the ledger's). ``math.inf`` if any entry has sigma == 0; 0.0 if no
+        steps."""
+        return compute_epsilon(self.entries, self.delta if delta is None else delta,
+                               self.accountant if accountant is None else accountant)
+
+    def same_run(self, other: "PrivacyLedger") -> bool:
+        """True if ``other`` belongs to the same run: run_id, delta, dataset_size, accountant equal."""
+        return isinstance(other, PrivacyLedger) and self._metadata() == other._metadata()
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, PrivacyLedger):
+            return NotImplemented
+        return self.same_run(other) and self.entries == other.entries
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return (f"PrivacyLedger(run_id={self.run_id!r}, delta={self.delta!r}, "
+                f"dataset_size={self.dataset_size}, accountant={self.accountant!r}, "
+                f"steps={self.steps}, entries={len(self.entries)})")
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict:
+        """A JSON-able dict: metadata, entries each with its chain hash, and the head hash."""
+        self.verify()
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, **self._metadata(),
+                "versions": dict(self.versions),
+                "entries": [{**asdict(e), "hash": h} for e, h in zip(self.entries, self._hashes)],
+                "head": self.head}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrivacyLedger":
+        """Rebuild a ledger from :meth:`to_dict` output, verifying the hash chain.
+
+        Raises LedgerIntegrityError if the dict is malformed or any number (steps, q, sigma, delta,
+        N, ...) differs from what the hashes recorded."""
+        try:
+            if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"not a version-{FORMAT_VERSION} {FORMAT} document")
+            led = cls(d["delta"], d["dataset_size"], d["accountant"], d["run_id"])
+            led.versions = dict(d.get("versions", {}))
+            for item in d["entries"]:
+                led.entries.append(LedgerEntry(item["sample_rate"], item["noise_multiplier"],
+                                               item["steps"], item["sampler"]))
+                led._hashes.append(str(item["hash"]))
+            head = str(d["head"])
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, LedgerIntegrityError):
+                raise
+            raise LedgerIntegrityError(f"malformed privacy ledger: {exc!r}") from exc
+        led.verify()
+        if head != led.head:
+            raise LedgerIntegrityError("privacy ledger head hash does not match its entries.")
+        return led
+
+    def to_json(self) -> str:
+        """Pretty JSON of :meth:`to_dict` (floats round-trip exactly)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, s: str) -> "PrivacyLedger":
+        """Inverse of :meth:`to_json`; raises LedgerIntegrityError on bad JSON or a broken chain."""
+        try:
+            d = json.loads(s)
+        except json.JSONDecodeError as exc:
+            raise LedgerIntegrityError(f"privacy ledger is not valid JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise LedgerIntegrityError("privacy ledger JSON must be an object.")
+        return cls.from_dict(d)
+
+    def save(self, path) -> None:
+        """Write the JSON atomically: temp file in the same directory, fsync, ``os.replace``."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        text = self.to_json()
+        fd, tmp = tempfile.mkstemp(prefix=".privacy_ledger.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        try:  # make the rename durable; not possible on every platform
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+    @classmethod
+    def load(cls, path) -> "PrivacyLedger":
+        """Read a ledger written by :meth:`save`; raises LedgerIntegrityError if it was edited."""
+        with open(os.fspath(path), encoding="utf-8") as f:
+            return cls.from_json(f.read())
