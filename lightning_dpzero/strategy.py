@@ -153,15 +153,12 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
             raise ValueError(
                 f"The DeepSpeed config sets gradient_clipping={self.config['gradient_clipping']}; per-example "
                 "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
-        if self.clipping == "all-layer" and self.zero_stage >= 2:
-            raise ValueError(
-                f"clipping='all-layer' is not supported on ZeRO stage {self.zero_stage} yet: it needs every "
-                "layer's per-example norm before DeepSpeed reduces the first gradient. Use "
-                "clipping='layer-wise', or ZeRO stage 0 or 1.")
         if trainer.accumulate_grad_batches > 1 and self.clipping == "all-layer" and self.zero_stage >= 1:
             raise ValueError(
-                "clipping='all-layer' with accumulate_grad_batches > 1 is supported on ZeRO stage 0 only; "
-                "use clipping='layer-wise', stage=0, or accumulate_grad_batches=1.")
+                f"clipping='all-layer' with accumulate_grad_batches > 1 is supported on ZeRO stage 0 only (stage "
+                f"{self.zero_stage} reduces all-layer gradients in one coalesced pass per optimizer step, which "
+                "DeepSpeed cannot yet span over micro-batches). Use clipping='layer-wise', stage=0, or "
+                "accumulate_grad_batches=1 with a larger batch_size.")
         if self.seed is None:
             # Stage 0 needs one seed on every rank; broadcast keeps them equal.
             self.seed = int(self.broadcast(secrets.randbits(62))) if self.world_size > 1 else secrets.randbits(62)

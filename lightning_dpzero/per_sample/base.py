@@ -103,3 +103,8 @@ class LayerHook:
 def batch_rows(t: torch.Tensor) -> torch.Tensor:
     """``(B, ...)`` → ``(B, T, d)`` where T folds every middle dimension (a sequence of T tokens)."""
     return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def param_shape(p: torch.Tensor) -> torch.Size:
+    """The full shape of a parameter, also while ZeRO-3 has released its data (``ds_shape``)."""
+    return getattr(p, "ds_shape", p.shape)

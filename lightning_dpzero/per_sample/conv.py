@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerRule, UnsupportedLayerError
+from .base import LayerRule, param_shape, UnsupportedLayerError
 from .linear import rows_norm_sq, weighted_rows_grad
 
 
@@ -60,6 +60,6 @@ class Conv2dRule(LayerRule):
 
     def clipped_grads(self, module, x, g, coef, trainable):
         a, gg = self._rows(module, x, g)
-        w = weighted_rows_grad(a, gg, coef).view_as(module.weight) if trainable[0] else None
+        w = weighted_rows_grad(a, gg, coef).view(param_shape(module.weight)) if trainable[0] else None
         b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype) if trainable[1] else None
         return [w, b]

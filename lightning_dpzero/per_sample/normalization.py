@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerRule
+from .base import LayerRule, param_shape
 
 
 class _AffineNormRule(LayerRule):
@@ -33,8 +33,8 @@ class _AffineNormRule(LayerRule):
     def clipped_grads(self, module, x, g, coef, trainable):
         gw, gb = self._per_example(module, x, g)
         c = coef.view(-1, 1)
-        w = (gw * c).sum(0).view_as(module.weight).to(g.dtype) if trainable[0] else None
-        b = (gb * c).sum(0).view_as(module.bias).to(g.dtype) if trainable[1] else None
+        w = (gw * c).sum(0).view(param_shape(module.weight)).to(g.dtype) if trainable[0] else None
+        b = (gb * c).sum(0).view(param_shape(module.bias)).to(g.dtype) if trainable[1] else None
         return [w, b]
 
 
