@@ -1,0 +1,108 @@
+"""One rank of a multi-process DP run for the invariant tests (launched by ``harness.run_cases``).
+
+Every rank runs each case of the JSON case list in order (one ``Trainer.fit`` per case, the process group
+reused) and writes what it saw: the indices of every micro-batch, and (rank 0) the initial and final
+parameters, the ledger and the step count. The tests rebuild the expected update from those records.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_dpzero  # noqa: F401  (registers the strategies)
+from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import build_model, make_dataset  # noqa: E402
+
+
+class IndexedDataset(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], torch.tensor(i)
+
+
+class Module(L.LightningModule):
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.net = build_model(case["model"])
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.seen.append([int(self.global_step), idx.tolist()])
+        out = self.net(x)
+        if self.case.get("zero_loss"):
+            return (out * 0.0).sum() / max(len(x), 1)
+        return nn.functional.cross_entropy(out, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.case["lr"])
+
+    def train_dataloader(self):
+        x, y = make_dataset(self.case["model"], self.case["n"])
+        return DataLoader(IndexedDataset(x, y), batch_size=self.case["batch_size"], shuffle=True)
+
+
+def gathered_params(model, stage):
+    params = list(model.parameters())
+    if stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+    return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def run_case(case, out_dir, devices):
+    L.seed_everything(case.get("init_seed", 0), verbose=False)
+    module = Module(case)
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=1e-5)]
+    strategy = DPDeepSpeedStrategy(
+        stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
+        clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
+        seed=case.get("seed", 1234))
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
+        accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),
+        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, ckpt_path=case.get("resume_from"))
+    if case.get("save_path"):
+        trainer.save_checkpoint(case["save_path"])
+    final = gathered_params(module, case["stage"])
+    rank = trainer.global_rank
+    name = case["name"]
+    with open(os.path.join(out_dir, f"{name}.seen{rank}.json"), "w") as f:
+        json.dump(module.seen, f)
+    torch.save(final, os.path.join(out_dir, f"{name}.final{rank}.pt"))
+    if rank == 0:
+        torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
+                    "global_step": trainer.global_step, "plan": vars(strategy.plan),
+                    "epsilon": float(callbacks[0].epsilon())},
+                   os.path.join(out_dir, f"{name}.pt"))
+
+
+def main():
+    cases = json.load(open(sys.argv[1]))
+    out_dir = sys.argv[2]
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    for case in cases:
+        run_case(case, out_dir, devices)
+        torch.distributed.barrier() if torch.distributed.is_initialized() else None
+
+
+if __name__ == "__main__":
+    main()

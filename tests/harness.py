@@ -1,0 +1,74 @@
+"""Launch ``dp_worker.py`` on W CPU processes (gloo) the way torchrun would, and rebuild references."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models import build_model, make_dataset
+from oracle import clipped_sum, per_example_grads
+
+HERE = Path(__file__).parent
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cases(cases, out_dir, world_size, timeout=600):
+    """Run every case on ``world_size`` processes; returns ``{name: result}``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = out_dir / "cases.json"
+    cfg.write_text(json.dumps(cases))
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                   RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size),
+                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(cfg), str(out_dir)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout=timeout) for p in procs]
+    if any(codes):
+        tail = (out_dir / "rank0.log").read_text()[-4000:]
+        raise RuntimeError(f"worker exit codes {codes}\n{tail}")
+    results = {}
+    for case in cases:
+        res = torch.load(out_dir / f"{case['name']}.pt", weights_only=False)
+        res["seen"] = [json.loads((out_dir / f"{case['name']}.seen{r}.json").read_text()) for r in range(world_size)]
+        res["final_rank"] = [torch.load(out_dir / f"{case['name']}.final{r}.pt") for r in range(world_size)]
+        results[case["name"]] = res
+    return results
+
+
+def expected_params(case, result):
+    """Replay the run: per optimizer step, Σ clip(g_i) over the union batch (torch.func), / B_exp, SGD."""
+    model = build_model(case["model"])
+    model.load_state_dict({k.removeprefix("net."): v for k, v in result["init"].items()})
+    x, y = make_dataset(case["model"], case["n"])
+    b_exp = result["plan"]["expected_batch_size"]
+    steps: dict[int, list[int]] = {}
+    for rank_seen in result["seen"]:
+        for step, idx in rank_seen:
+            steps.setdefault(step, []).extend(idx)
+    C = float(case["C"])
+    for step in sorted(steps):
+        idx = torch.tensor(sorted(steps[step]), dtype=torch.long)
+        with torch.no_grad():
+            if len(idx) == 0:
+                continue
+        grads = per_example_grads(model, nn.functional.cross_entropy, x[idx], y[idx])
+        summed = clipped_sum(model, grads, C, case["clipping"], case["clipping_fn"])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p -= case["lr"] * (summed[n] / b_exp).float()
+    return {f"net.{k}": v for k, v in model.state_dict().items()}
