@@ -213,8 +213,10 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
                     f"run has N={plan.dataset_size}, δ={plan.delta}. Resume with the same data and delta.")
             self.ledger = restored
         elif self.ledger is None:
+            # one run id on every rank, so every rank's copy of the ledger is the same document
+            run_id = self.broadcast(secrets.token_hex(16))
             self.ledger = PrivacyLedger(delta=plan.delta, dataset_size=plan.dataset_size,
-                                        accountant=plan.accountant)
+                                        accountant=plan.accountant, run_id=run_id)
 
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any):

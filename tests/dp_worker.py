@@ -55,6 +55,17 @@ class Module(L.LightningModule):
         return DataLoader(IndexedDataset(x, y), batch_size=self.case["batch_size"], shuffle=True)
 
 
+class StopAt(L.Callback):
+    """Stops the run after ``step`` optimizer steps, as an interruption would (the plan stays max_steps)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 def gathered_params(model, stage):
     params = list(model.parameters())
     if stage == 3:
@@ -70,6 +81,8 @@ def run_case(case, out_dir, devices):
     module = Module(case)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
     callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=1e-5)]
+    if case.get("stop_at"):
+        callbacks.append(StopAt(case["stop_at"]))
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
