@@ -1,0 +1,101 @@
+"""Bad input is refused before the first step, naming the setting or module and the fix (DESIGN I5)."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dpzero  # noqa: F401
+from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback, UnsupportedLayerError
+
+
+class Net(L.LightningModule):
+    def __init__(self, body=None):
+        super().__init__()
+        self.body = body or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.steps_run = 0
+
+    def training_step(self, batch, _):
+        self.steps_run += 1
+        x, y = batch
+        return nn.functional.cross_entropy(self.body(x).flatten(1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=4)
+
+
+def _fit(model, strategy, callbacks=(), **trainer_kw):
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=list(callbacks), **trainer_kw)
+    trainer.fit(model)
+    return trainer
+
+
+def test_batchnorm_is_refused_before_training():
+    model = Net(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)))
+    with pytest.raises(UnsupportedLayerError, match=r"body\.1\.weight.*BatchNorm1d.*GroupNorm"):
+        _fit(model, DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0))
+    assert model.steps_run == 0
+
+
+def test_gradient_clip_val_is_refused():
+    with pytest.raises(ValueError, match="gradient_clip_val.*max_grad_norm"):
+        _fit(Net(), DPDeepSpeedStrategy(stage=1, noise_multiplier=1.0), gradient_clip_val=1.0)
+
+
+def test_deepspeed_config_gradient_clipping_is_refused():
+    cfg = {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 4}
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        _fit(Net(), DPDeepSpeedStrategy(config=cfg, noise_multiplier=1.0))
+
+
+def test_missing_noise_multiplier_is_refused():
+    model = Net()
+    with pytest.raises(ValueError, match="noise_multiplier.*target_epsilon"):
+        _fit(model, DPDeepSpeedStrategy(stage=2))
+    assert model.steps_run == 0
+
+
+def test_sigma_contradicting_the_target_is_refused():
+    with pytest.raises(ValueError, match="target_epsilon"):
+        _fit(Net(), DPDeepSpeedStrategy(stage=2, noise_multiplier=0.3),
+             callbacks=[PrivacyAccountantCallback(target_epsilon=1.0)])
+
+
+def test_target_epsilon_calibrates_sigma_and_logs():
+    cb = PrivacyAccountantCallback(target_epsilon=2.0, delta=1e-5)
+    strategy = DPDeepSpeedStrategy(stage=2)
+    trainer = _fit(Net(), strategy, callbacks=[cb])
+    assert strategy.noise_multiplier > 0
+    assert trainer.callback_metrics["epsilon"] <= 2.0
+    assert cb.epsilon() == pytest.approx(2.0, rel=0.011)
+    assert strategy.ledger.steps == trainer.global_step == 2
+    assert {"delta", "noise_multiplier", "sample_rate", "dp_steps"} <= set(trainer.callback_metrics)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(clipping="flat"), "clipping"),
+    (dict(clipping_fn="clamp"), "clipping_fn"),
+    (dict(noise_multiplier=1.0, max_grad_norm=math.inf), "infinite noise"),
+])
+def test_bad_strategy_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPDeepSpeedStrategy(stage=2, **kwargs)
+
+
+def test_registered_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in ("dp_deepspeed", "dp_deepspeed_stage_1", "dp_deepspeed_stage_2", "dp_deepspeed_stage_2_offload",
+                 "dp_deepspeed_stage_3", "dp_deepspeed_stage_3_offload"):
+        assert StrategyRegistry[name]["strategy"] is DPDeepSpeedStrategy
+    assert StrategyRegistry["dp_deepspeed_stage_3"]["init_params"]["stage"] == 3
