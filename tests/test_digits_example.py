@@ -1,0 +1,46 @@
+"""End-to-end checks of ``examples/digits.py`` (ZeRO-3, 2 CPU processes, real data).
+
+The example runs as a subprocess: Lightning re-launches the running script for rank 1, which must be the
+example, not pytest. Its last stdout line is ``accuracy=A epsilon=E delta=D``.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "digits.py"
+FINAL = re.compile(r"^accuracy=(\d+\.\d\d) epsilon=(\d+\.\d\d) delta=(\S+)$")
+
+
+def run_digits(*args: str, timeout: float = 300) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    lines = proc.stdout.strip().splitlines()
+    match = FINAL.match(lines[-1]) if lines else None
+    assert match, f"last line is not 'accuracy=.. epsilon=.. delta=..':\n{proc.stdout[-3000:]}"
+    return {"accuracy": float(match[1]), "epsilon": float(match[2]), "delta": float(match[3]),
+            "stdout": proc.stdout}
+
+
+@pytest.mark.slow
+def test_huge_noise_keeps_accuracy_at_chance():
+    # sigma = 1000: the noise (std sigma*C/B_exp per coordinate, each step) drowns the clipped signal, so a
+    # model that learns anything here would mean the noise did not reach the update.
+    out = run_digits("--noise-multiplier", "1000", "--epochs", "3")
+    assert out["accuracy"] < 0.25, out["stdout"]
+    assert out["epsilon"] < 0.01
+
+
+@pytest.mark.slow
+def test_dp_training_learns_within_budget():
+    out = run_digits("--epochs", "3", "--target-epsilon", "8")
+    assert out["accuracy"] >= 0.6, out["stdout"]
+    assert 7.9 <= out["epsilon"] <= 8.0  # calibrated: at most the target, within 1% of it
+    assert out["delta"] == 1e-5
