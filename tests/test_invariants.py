@@ -38,6 +38,10 @@ def _cases(world_size):
     for stage, acc in ((0, 1), (1, 1), (2, 2), (3, 1)):
         cases.append(dict(BASE, name=f"i3_s{stage}_a{acc}", model="wide", stage=stage, accumulate=acc,
                           sigma=1.5, C=2.0, lr=1.0, steps=1, zero_loss=True, n=256))
+    # bf16-mixed: DeepSpeed keeps bf16 weights and fp32 master weights; norms and noise are fp32.
+    for stage, clipping in ((2, "layer-wise"), (3, "all-layer")):
+        cases.append(dict(BASE, name=f"bf16_{clipping}_s{stage}", stage=stage, clipping=clipping,
+                          precision="bf16-mixed", C=0.1))
     if world_size == 1:
         cases = [c for c in cases if c["name"].endswith("a2") or c["name"].startswith(("i3", "i2_al_s0", "i1_s3"))]
     return cases
@@ -82,6 +86,16 @@ def test_i2_clipping_actually_bounds_the_update(runs):
     ws, case, res = _by_prefix(runs, "i2_lw_s3")[0]
     unclipped = expected_params(dict(case, C=math.inf), res)
     assert any((unclipped[k] - res["final"][k]).abs().max() > 1e-4 for k in unclipped)
+
+
+def test_bf16_mixed_matches_the_oracle_to_bf16_rounding(runs):
+    for ws, case, res in _by_prefix(runs, "bf16_"):
+        exp = expected_params(case, res)
+        unclipped = expected_params(dict(case, C=math.inf), res)
+        err = max((res["final"][k] - exp[k]).abs().max().item() for k in exp)
+        gap = max((unclipped[k] - exp[k]).abs().max().item() for k in exp)
+        assert err < 1.2e-2, case["name"]  # a few bf16 ulps of weights of magnitude ~1
+        assert gap > 4 * err, case["name"]  # clipping changed the update far more than bf16 rounding did
 
 
 def test_i3_noise_std_is_sigma_c_over_expected_batch(runs):
