@@ -222,6 +222,7 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         if self.per_sample is not None:
             self.per_sample.expected_batch_size = extract_batch_size(args[0]) if args else None
+            self.per_sample.new_forward()
         out = super().training_step(*args, **kwargs)
         if self.per_sample is not None and self.per_sample.expected_batch_size == 0:
             # An empty Poisson batch is a valid noise-only step; the mean loss over no examples is NaN.

@@ -82,3 +82,30 @@ def test_flattened_batch_refused():
     engine = PerSampleEngine(model).attach()
     with engine.micro_batch(batch_size=3), pytest.raises(UnsupportedLayerError, match="first dimension is 6"):
         model(torch.randn(6, 4))
+
+
+def test_module_called_twice_is_refused():
+    lin = nn.Linear(4, 4)
+    engine = PerSampleEngine(lin).attach()
+    with engine.micro_batch(batch_size=2), pytest.raises(UnsupportedLayerError, match="more than once"):
+        lin(lin(torch.randn(2, 4)))
+
+
+def test_tied_parameters_are_refused():
+    emb, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    with pytest.raises(UnsupportedLayerError, match="tied"):
+        PerSampleEngine(nn.ModuleList([emb, head])).attach()
+
+
+def test_frozen_parameters_cost_nothing_and_stay_untouched():
+    model = TokenModel()
+    for p in model.emb.parameters():
+        p.requires_grad_(False)
+    model.head.bias.requires_grad_(False)
+    engine = PerSampleEngine(model, max_grad_norm=0.1).attach()
+    assert "emb" not in {h.name for h in engine.hooks}
+    with engine.micro_batch(batch_size=3):
+        nn.functional.cross_entropy(model(torch.randint(0, 11, (3, 5))), torch.tensor([0, 1, 2])).backward()
+    assert model.emb.weight.grad is None and model.head.bias.grad is None
+    assert model.head.weight.grad is not None

@@ -87,6 +87,7 @@ class LayerHook:
     def __init__(self, engine, module: nn.Module, name: str, rule: LayerRule):
         self.engine, self.module, self.name, self.rule = engine, module, name, rule
         self.original_forward = module.forward
+        self.calls = 0  # forward calls since the last backward (a reused module is refused)
 
     def trainable(self) -> list[bool]:
         return [p is not None and p.requires_grad for p in self.rule.params(self.module)]

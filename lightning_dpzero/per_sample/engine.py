@@ -126,6 +126,7 @@ class PerSampleEngine:
         """Declare the micro-batch: ``batch_size`` examples; see ``grad_scale`` / ``emit_scale`` attributes."""
         self.expected_batch_size = batch_size
         self.grad_scale, self.emit_scale = grad_scale, emit_scale
+        self.new_forward()
         try:
             yield
         finally:
@@ -145,6 +146,13 @@ class PerSampleEngine:
                 "dimension first in every layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), "
                 "and use batch_first=True."
             )
+        hook.calls += 1
+        if hook.calls > 1:
+            # Two separately clipped contributions of one parameter would bound its per-example gradient
+            # by 2·C, not C: refuse rather than under-state the sensitivity.
+            raise UnsupportedLayerError(
+                f"{type(hook.module).__name__} '{hook.name}' was called more than once in one forward pass; "
+                "per-example clipping of a reused module is not supported yet. Use a separate module per call.")
         return PerSampleFunction.apply(hook, x, *hook.rule.params(hook.module))
 
     # ---------------------------------------------------------------- backward
@@ -168,9 +176,15 @@ class PerSampleEngine:
     def _accumulate_total(self, sq: torch.Tensor) -> None:
         self._total_sq = sq if self._total_sq is None else self._total_sq + sq
 
+    def new_forward(self) -> None:
+        """Start of a micro-batch's forward: reset the per-module call counts."""
+        for h in self.hooks:
+            h.calls = 0
+
     def finalize(self) -> None:
         """End of a backward pass: all-layer gradients are written, statistics updated. Idempotent."""
         self._pending = False
+        self.new_forward()
         total = self._total_sq
         self._total_sq = None
         if total is None:
