@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerRule, param_shape, UnsupportedLayerError
-from .linear import rows_norm_sq, weighted_rows_grad
+from .base import UnsupportedLayerError
+from .linear import LinearRule
 
 
 def _padding(module: nn.Conv2d):
@@ -22,7 +22,9 @@ def _padding(module: nn.Conv2d):
     return module.padding
 
 
-class Conv2dRule(LayerRule):
+class Conv2dRule(LinearRule):
+    """Shares the Linear rule's norms and weighted sums; only the rows differ (unfolded patches)."""
+
     module_types = (nn.Conv2d,)
 
     def check(self, module, name):
@@ -48,18 +50,3 @@ class Conv2dRule(LayerRule):
     def _rows(self, module, x, g):
         a = F.unfold(x, module.kernel_size, module.dilation, _padding(module), module.stride)  # (B, d, T)
         return a.transpose(1, 2), g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2)  # (B,T,d), (B,T,p)
-
-    def norm_sq(self, module, x, g, trainable):
-        a, gg = self._rows(module, x, g)
-        out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-        if trainable[0]:
-            out += rows_norm_sq(a, gg)
-        if len(trainable) > 1 and trainable[1]:
-            out += gg.float().sum(1).pow(2).sum(1)
-        return out
-
-    def clipped_grads(self, module, x, g, coef, trainable):
-        a, gg = self._rows(module, x, g)
-        w = weighted_rows_grad(a, gg, coef).view(param_shape(module.weight)) if trainable[0] else None
-        b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype) if trainable[1] else None
-        return [w, b]

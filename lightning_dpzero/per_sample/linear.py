@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerRule, batch_rows
+from .base import LayerRule, batch_rows, param_shape
 
 
 def use_ghost(T: int, d: int, p: int) -> bool:
@@ -50,8 +50,12 @@ class LinearRule(LayerRule):
     def grad_input(self, module, x, params, g):
         return g.matmul(params[0].to(g.dtype))
 
+    def _rows(self, module, x, g):
+        """The layer as T rows per example: inputs (B, T, d) and output gradients (B, T, p)."""
+        return batch_rows(x), batch_rows(g)
+
     def norm_sq(self, module, x, g, trainable):
-        a, gg = batch_rows(x), batch_rows(g)
+        a, gg = self._rows(module, x, g)
         out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         if trainable[0]:
             out += rows_norm_sq(a, gg)
@@ -60,8 +64,8 @@ class LinearRule(LayerRule):
         return out
 
     def clipped_grads(self, module, x, g, coef, trainable):
-        a, gg = batch_rows(x), batch_rows(g)
-        w = weighted_rows_grad(a, gg, coef) if trainable[0] else None
+        a, gg = self._rows(module, x, g)
+        w = weighted_rows_grad(a, gg, coef).view(param_shape(module.weight)) if trainable[0] else None
         b = None
         if len(trainable) > 1 and trainable[1]:
             b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype)
