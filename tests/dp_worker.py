@@ -86,7 +86,7 @@ def run_case(case, out_dir, devices):
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
-        seed=case.get("seed", 1234))
+        seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
         accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),

@@ -38,6 +38,9 @@ def _cases(world_size):
     for stage, acc in ((0, 1), (1, 1), (2, 2), (3, 1)):
         cases.append(dict(BASE, name=f"i3_s{stage}_a{acc}", model="wide", stage=stage, accumulate=acc,
                           sigma=1.5, C=2.0, lr=1.0, steps=1, zero_loss=True, n=256))
+    for stage in (0, 2):  # secure mode: OS-entropy noise (stage 0: drawn by rank 0 and broadcast)
+        cases.append(dict(BASE, name=f"i3_secure_s{stage}_a1", model="wide", stage=stage, secure_mode=True,
+                          sigma=1.5, C=2.0, lr=1.0, steps=1, zero_loss=True, n=256))
     # bf16-mixed: DeepSpeed keeps bf16 weights and fp32 master weights; norms and noise are fp32.
     for stage, clipping in ((2, "layer-wise"), (3, "all-layer")):
         cases.append(dict(BASE, name=f"bf16_{clipping}_s{stage}", stage=stage, clipping=clipping,
