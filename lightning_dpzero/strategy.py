@@ -19,7 +19,7 @@ import contextlib
 import math
 import secrets
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -64,7 +64,10 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         noise_multiplier: σ. ``None`` lets ``PrivacyAccountantCallback(target_epsilon=...)`` calibrate it.
         max_grad_norm: C, bound on each example's gradient norm (``math.inf`` with σ=0 only, for testing).
         clipping: ``"layer-wise"`` (each of the K layers to C/√K; finishes inside each layer's backward,
-            every stage) or ``"all-layer"`` (one norm over all layers; book-keeping).
+            every stage), ``"all-layer"`` (one norm over all layers; book-keeping) or ``"group-wise"``.
+        clipping_groups: for group-wise: lists of parameter-name patterns (``fnmatch``, e.g.
+            ``[["encoder.*"], ["head.*"]]``), or ``"param_groups"`` for the optimizer's parameter groups.
+        group_max_grad_norms: per-group thresholds C_k; default C/√K (so that √(Σ C_k²) = C).
         clipping_fn: ``"abadi"`` or ``"automatic"`` (Bu et al.), with ``gamma`` (default 0.01).
         poisson_sampling: Poisson-sample logical batches (default). ``False``: shuffled fixed-size batches,
             accounted as if Poisson with q = B·W·K/N (a common approximation; the ledger records it).
@@ -81,6 +84,8 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
     def __init__(self, accelerator=None, zero_optimization: bool = True, stage: int = 2,
                  noise_multiplier: Optional[float] = None, max_grad_norm: float = 1.0,
                  clipping: str = "layer-wise", clipping_fn: str = "abadi", gamma: float = 0.01,
+                 clipping_groups: Optional[Union[str, list[list[str]]]] = None,
+                 group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: str = "mean", **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
@@ -91,6 +96,12 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
             raise ValueError("max_grad_norm=inf with noise_multiplier > 0 would add infinite noise; set a finite C.")
         self.noise_multiplier = noise_multiplier
         self.max_grad_norm, self.clipping, self.clipping_fn, self.gamma = max_grad_norm, clipping, clipping_fn, gamma
+        if clipping == "group-wise" and clipping_groups is None:
+            raise ValueError("clipping='group-wise' needs clipping_groups: lists of parameter-name patterns, e.g. "
+                             "[['encoder.*'], ['head.*']], or 'param_groups' (the optimizer's parameter groups).")
+        if clipping_groups is not None and clipping != "group-wise":
+            raise ValueError(f"clipping_groups is only used with clipping='group-wise', not {clipping!r}.")
+        self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
         self.poisson_sampling, self.secure_mode, self.loss_reduction = poisson_sampling, secure_mode, loss_reduction
         self.seed = seed
         self.per_sample: Optional[PerSampleEngine] = None
@@ -137,11 +148,32 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
     def setup(self, trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._validate_trainer(trainer)
+            patterns = None if self.clipping_groups == "param_groups" else self.clipping_groups
             self.per_sample = PerSampleEngine(self.model, self.max_grad_norm, self.clipping, self.clipping_fn,
-                                              self.gamma, self.loss_reduction).attach()
+                                              self.gamma, self.loss_reduction, groups=patterns,
+                                              group_max_grad_norms=self.group_max_grad_norms)
+            self.per_sample.attach()
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.clipping_groups == "param_groups":
+                self.per_sample.set_groups(self._user_param_groups, self.group_max_grad_norms)
+            self._check_deferred_writes(trainer)
             self._install_noise_hook()
+
+    def _init_optimizers(self):
+        optimizer, scheduler = super()._init_optimizers()
+        # DeepSpeed replaces param_groups by flat partitions; keep the user's grouping for group-wise clipping.
+        self._user_param_groups = [list(g["params"]) for g in optimizer.param_groups]
+        return optimizer, scheduler
+
+    def _check_deferred_writes(self, trainer) -> None:
+        if self.per_sample.needs_deferred_writes and trainer.accumulate_grad_batches > 1 and self.zero_stage >= 1:
+            raise ValueError(
+                f"clipping={self.clipping!r} with a clipping group that spans several layers and "
+                f"accumulate_grad_batches > 1 is supported on ZeRO stage 0 only (stage {self.zero_stage} reduces "
+                "such gradients in one coalesced pass per optimizer step, which DeepSpeed cannot yet span over "
+                "micro-batches). Use clipping='layer-wise', stage=0, or accumulate_grad_batches=1 with a larger "
+                "batch_size.")
 
     def _validate_trainer(self, trainer) -> None:
         if trainer.gradient_clip_val:
@@ -153,12 +185,6 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
             raise ValueError(
                 f"The DeepSpeed config sets gradient_clipping={self.config['gradient_clipping']}; per-example "
                 "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
-        if trainer.accumulate_grad_batches > 1 and self.clipping == "all-layer" and self.zero_stage >= 1:
-            raise ValueError(
-                f"clipping='all-layer' with accumulate_grad_batches > 1 is supported on ZeRO stage 0 only (stage "
-                f"{self.zero_stage} reduces all-layer gradients in one coalesced pass per optimizer step, which "
-                "DeepSpeed cannot yet span over micro-batches). Use clipping='layer-wise', stage=0, or "
-                "accumulate_grad_batches=1 with a larger batch_size.")
         if self.seed is None:
             # Stage 0 needs one seed on every rank; broadcast keeps them equal.
             self.seed = int(self.broadcast(secrets.randbits(62))) if self.world_size > 1 else secrets.randbits(62)
@@ -234,7 +260,7 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         closure_loss = _LossProbe.apply(closure_loss, self)
         ctx = contextlib.nullcontext()
-        if self.clipping == "all-layer" and self.zero_stage >= 1:
+        if self.per_sample.needs_deferred_writes and self.zero_stage >= 1:
             ctx = self.deepspeed_engine.coalesce_grad_reduction()
         with ctx:
             return super().backward(closure_loss, optimizer, *args, **kwargs)

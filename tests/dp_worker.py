@@ -48,6 +48,13 @@ class Module(L.LightningModule):
         return nn.functional.cross_entropy(out, y)
 
     def configure_optimizers(self):
+        if self.case.get("opt_groups"):  # optimizer parameter groups by name patterns (group-wise clipping)
+            import fnmatch
+
+            named = list(self.named_parameters())
+            groups = [[p for n, p in named if any(fnmatch.fnmatchcase(n, s) for s in pats)]
+                      for pats in self.case["opt_groups"]]
+            return torch.optim.SGD([{"params": g} for g in groups], lr=self.case["lr"])
         return torch.optim.SGD(self.parameters(), lr=self.case["lr"])
 
     def train_dataloader(self):
@@ -86,6 +93,7 @@ def run_case(case, out_dir, devices):
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
+        clipping_groups=case.get("clipping_groups"),
         seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],

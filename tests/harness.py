@@ -74,7 +74,13 @@ def expected_params(case, result):
         if len(idx) == 0:  # an empty logical batch: a noise-only step, zero here (σ = 0)
             continue
         grads = per_example_grads(model, nn.functional.cross_entropy, x[idx], y[idx])
-        summed = clipped_sum(model, grads, C, case["clipping"], case["clipping_fn"])
+        groups = None
+        if case["clipping"] == "group-wise":
+            import fnmatch
+
+            pats = case["opt_groups"] if case["clipping_groups"] == "param_groups" else case["clipping_groups"]
+            groups = [[n for n in grads if any(fnmatch.fnmatchcase("net." + n, s) for s in g)] for g in pats]
+        summed = clipped_sum(model, grads, C, case["clipping"], case["clipping_fn"], groups=groups)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p -= case["lr"] * (summed[n] / b_exp).float()

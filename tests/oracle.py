@@ -26,18 +26,18 @@ def per_example_grads(model, loss_fn, inputs, targets):
     return g
 
 
-def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="abadi", gamma=0.01):
-    """Σ_i clip(g_i) per parameter name, all-layer or layer-wise (one group per module)."""
+def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="abadi", gamma=0.01, groups=None):
+    """Σ_i clip(g_i) per parameter name: all-layer, layer-wise (one group per module) or explicit ``groups``
+    (lists of names), each group clipped to C/sqrt(K)."""
     names = list(grads)
-    if clipping == "all-layer":
+    if groups is None and clipping == "all-layer":
         groups = [names]
-        thr = [max_grad_norm]
-    else:
+    elif groups is None:
         by_mod: dict[str, list[str]] = {}
         for n in names:
             by_mod.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(n)
         groups = list(by_mod.values())
-        thr = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
+    thr = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
     out = {}
     for grp, c in zip(groups, thr):
         sq = sum(grads[n].flatten(1).pow(2).sum(1) for n in grp)

@@ -33,6 +33,13 @@ def _cases(world_size):
         cases.append(dict(BASE, name=f"i2_auto_{clipping}_s{stage}", stage=stage, clipping=clipping,
                           clipping_fn="automatic", C=0.1))
     cases.append(dict(BASE, name="i2_conv_lw_s3_a2", model="conv", stage=3, accumulate=2))
+    # group-wise: name patterns (ZeRO-3, coalesced) and the optimizer's parameter groups (stage 0, accumulation)
+    cases.append(dict(BASE, name="i2_gw_patterns_s3", stage=3, clipping="group-wise",
+                      clipping_groups=[["net.emb.*", "net.lin.*"], ["net.ln.*", "net.head.*"]]))
+    cases.append(dict(BASE, name="i2_gw_optgroups_s0_a2", stage=0, accumulate=2, clipping="group-wise",
+                      clipping_groups="param_groups", opt_groups=[["net.emb.*"], ["net.lin.*", "net.ln.*", "net.head.*"]]))
+    # empty Poisson micro-batches (q·N/W = 1 expected example per rank and step): noise-only steps are valid
+    cases.append(dict(BASE, name="i2_empty_s2_a2", stage=2, accumulate=2, batch_size=1, steps=4))
     cases.append(dict(BASE, name="i2_conv_al_s1", model="conv", stage=1, clipping="all-layer"))
     # I3: zero per-example gradients, so the update is lr × noise; one wide layer gives 33k coordinates
     for stage, acc in ((0, 1), (1, 1), (2, 2), (3, 1)):
@@ -80,6 +87,8 @@ def test_i2_clipping_matches_torch_func_oracle(runs):
             torch.testing.assert_close(res["final"][k], v, rtol=1e-5, atol=1e-6, msg=f"{case['name']} {k}")
         sizes = [len(idx) for seen in res["seen"] for _, idx in seen]
         assert sum(sizes) > 0
+        if "empty" in case["name"]:
+            assert 0 in sizes, "the case meant to exercise empty micro-batches saw none"
         checked += 1
     assert checked >= 5
 

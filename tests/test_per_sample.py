@@ -84,18 +84,77 @@ def test_flattened_batch_refused():
         model(torch.randn(6, 4))
 
 
-def test_module_called_twice_is_refused():
-    lin = nn.Linear(4, 4)
-    engine = PerSampleEngine(lin).attach()
-    with engine.micro_batch(batch_size=2), pytest.raises(UnsupportedLayerError, match="more than once"):
-        lin(lin(torch.randn(2, 4)))
+class TiedNet(nn.Module):
+    """Embedding tied to the output head, and one LayerNorm used twice."""
+
+    def __init__(self, vocab=9, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.ln(self.emb(x))
+        h = self.ln(torch.tanh(self.mix(h)) + h)
+        return self.head(h).mean(1)
 
 
-def test_tied_parameters_are_refused():
-    emb, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
-    head.weight = emb.weight
-    with pytest.raises(UnsupportedLayerError, match="tied"):
-        PerSampleEngine(nn.ModuleList([emb, head])).attach()
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("clipping_fn", ["abadi", "automatic"])
+def test_tied_and_reused_parameters_match_the_oracle(clipping, clipping_fn):
+    torch.manual_seed(3)
+    model = TiedNet()
+    x, y = torch.randint(0, 9, (5, 4)), torch.randint(0, 9, (5,))
+    grads = per_example_grads(model, nn.functional.cross_entropy, x, y)  # tied: one entry, summed by autograd
+    groups = None if clipping == "all-layer" else [["emb.weight"], ["mix.weight", "mix.bias"], ["ln.weight", "ln.bias"]]
+    ref = clipped_sum(model, grads, 0.05, clipping, clipping_fn, groups=groups)
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping=clipping, clipping_fn=clipping_fn).attach()
+    assert engine.needs_deferred_writes == (clipping == "all-layer")
+    with engine.micro_batch(batch_size=5):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("spec", ["patterns", "params"])
+def test_group_wise_matches_the_oracle(spec):
+    torch.manual_seed(4)
+    model = TokenModel()
+    x, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    names = [["emb.*", "lin.*"], ["ln.*", "head.*"]]
+    groups = names if spec == "patterns" else [
+        [model.emb.weight, model.lin.weight, model.lin.bias], [model.ln.weight, model.ln.bias, *model.head.parameters()]]
+    ref_groups = [["emb.weight", "lin.weight", "lin.bias"], ["ln.weight", "ln.bias", "head.weight", "head.bias"]]
+    ref = clipped_sum(model, per_example_grads(model, nn.functional.cross_entropy, x, y), 0.05, groups=ref_groups)
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping="group-wise", groups=groups).attach()
+    assert engine.needs_deferred_writes
+    with engine.micro_batch(batch_size=6):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_group_wise_refuses_unclaimed_parameters():
+    with pytest.raises(ValueError, match=r"no group claims.*head\.weight"):
+        PerSampleEngine(TokenModel(), clipping="group-wise", groups=[["emb.*", "lin.*", "ln.*"]]).attach()
+
+
+@pytest.mark.parametrize("kind", ["token", "conv"])
+def test_empty_micro_batch_gives_zero_gradients(kind):
+    model, x, y = _data(kind, 0, torch.Generator().manual_seed(0))
+    engine = PerSampleEngine(model, max_grad_norm=1.0).attach()
+    with engine.micro_batch(batch_size=0):
+        loss = nn.functional.cross_entropy(model(x), y)  # NaN: the mean over no examples
+        torch.nan_to_num(loss).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and not p.grad.any(), n
+    flat = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))  # 2-D inputs
+    eng = PerSampleEngine(flat).attach()
+    with eng.micro_batch(batch_size=0):
+        torch.nan_to_num(flat(torch.randn(0, 4)).mean()).backward()
+    assert all(not p.grad.any() for p in flat.parameters())
 
 
 def test_frozen_parameters_cost_nothing_and_stay_untouched():

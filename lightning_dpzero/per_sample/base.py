@@ -12,6 +12,7 @@ Shapes: ``x`` is the layer input with the batch first, ``(B, ...)``; ``g`` is th
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -43,12 +44,17 @@ class LayerRule:
             (gx,) = torch.autograd.grad(out, x_, g)
         return gx
 
-    def norm_sq(self, module, x, g, trainable: list[bool]) -> torch.Tensor:
-        """Per-example squared norm, shape ``(B,)`` fp32, of the gradients of the trainable parameters."""
+    def norm_sq(self, module, x, g, mask: list[bool]) -> list[Optional[torch.Tensor]]:
+        """Per parameter (``None`` where ``mask`` is False): per-example squared gradient norms, ``(B,)`` fp32."""
         raise NotImplementedError
 
-    def clipped_grads(self, module, x, g, coef: torch.Tensor, trainable: list[bool]) -> list[Optional[torch.Tensor]]:
-        """``Σ_i coef_i · g_i`` for each parameter (``None`` where not trainable), in the parameter's dtype."""
+    def per_example(self, module, x, g, mask: list[bool]) -> list[Optional[torch.Tensor]]:
+        """Per parameter: the instantiated per-example gradients ``(B, *param.shape)`` fp32 (for parameters
+        shared by several call sites, whose norm needs the sum of the sites' contributions)."""
+        raise NotImplementedError
+
+    def clipped_grads(self, module, x, g, coef: torch.Tensor, mask: list[bool]) -> list[Optional[torch.Tensor]]:
+        """Per parameter: ``Σ_i coef_i · g_i`` (``None`` where ``mask`` is False), in ``g``'s dtype."""
         raise NotImplementedError
 
 
@@ -103,7 +109,7 @@ class LayerHook:
 
 def batch_rows(t: torch.Tensor) -> torch.Tensor:
     """``(B, ...)`` → ``(B, T, d)`` where T folds every middle dimension (a sequence of T tokens)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # explicit: B may be 0
 
 
 def param_shape(p: torch.Tensor) -> torch.Size:

@@ -14,7 +14,7 @@ import math
 import torch
 
 CLIPPING_FUNCTIONS = ("abadi", "automatic")
-CLIPPING_STYLES = ("all-layer", "layer-wise")
+CLIPPING_STYLES = ("all-layer", "layer-wise", "group-wise")
 
 
 def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float) -> None:

@@ -49,4 +49,4 @@ class Conv2dRule(LinearRule):
 
     def _rows(self, module, x, g):
         a = F.unfold(x, module.kernel_size, module.dilation, _padding(module), module.stride)  # (B, d, T)
-        return a.transpose(1, 2), g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2)  # (B,T,d), (B,T,p)
+        return a.transpose(1, 2), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)

@@ -30,23 +30,34 @@ class EmbeddingRule(LayerRule):
 
     def _rows(self, module, x, g):
         B, p = x.shape[0], g.shape[-1]
-        idx = x.reshape(B, -1)
-        gg = g.reshape(B, -1, p)
+        idx = x.flatten(1) if x.dim() > 1 else x.unsqueeze(1)
+        gg = g.reshape(B, idx.shape[1], p)  # explicit sizes: an empty batch (B = 0) is valid
         if module.padding_idx is not None:
             gg = gg * (idx != module.padding_idx).unsqueeze(-1).to(gg.dtype)
         return idx, gg
 
-    def norm_sq(self, module, x, g, trainable):
+    def _segments(self, module, x, g):
+        """Output gradients summed per (example, token) key: keys ``(U,)`` = i·V + token, rows ``(U, p)``."""
         idx, gg = self._rows(module, x, g)
         B, p, V = idx.shape[0], gg.shape[-1], module.num_embeddings
         key = (torch.arange(B, device=idx.device).unsqueeze(1) * V + idx).reshape(-1)
         uniq, inv = torch.unique(key, return_inverse=True)
         rows = torch.zeros(uniq.numel(), p, dtype=torch.float32, device=gg.device)
-        rows.index_add_(0, inv, gg.reshape(-1, p).float())
-        out = torch.zeros(B, dtype=torch.float32, device=gg.device)
-        return out.index_add_(0, torch.div(uniq, V, rounding_mode="floor"), rows.pow(2).sum(1))
+        return uniq, rows.index_add_(0, inv, gg.reshape(-1, p).float())
 
-    def clipped_grads(self, module, x, g, coef, trainable):
+    def norm_sq(self, module, x, g, mask):
+        uniq, rows = self._segments(module, x, g)
+        out = torch.zeros(x.shape[0], dtype=torch.float32, device=rows.device)
+        V = module.num_embeddings
+        return [out.index_add_(0, torch.div(uniq, V, rounding_mode="floor"), rows.pow(2).sum(1))]
+
+    def per_example(self, module, x, g, mask):
+        uniq, rows = self._segments(module, x, g)
+        B, V = x.shape[0], module.num_embeddings
+        out = torch.zeros(B * V, rows.shape[1], dtype=torch.float32, device=rows.device)
+        return [out.index_copy_(0, uniq, rows).view(B, V, rows.shape[1])]
+
+    def clipped_grads(self, module, x, g, coef, mask):
         idx, gg = self._rows(module, x, g)
         gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
         out = torch.zeros(module.num_embeddings, gg.shape[-1], dtype=g.dtype, device=g.device)

@@ -8,16 +8,27 @@ Usage without Lightning (the functional API the strategy uses)::
         model(x).pow(2).mean().backward()
     # every trainable p.grad now holds Σ_i clip(g_i)  (the *sum* of clipped per-example gradients)
 
-Layer-wise clipping finishes inside each layer's backward. All-layer clipping records each layer's
-input and output gradient during backward and, once every layer's norm is known (at the end of the
-backward pass), forms the clipped gradients and adds them to ``p.grad`` (book-keeping, Bu et al. 2023).
+Parameters are split into *clipping groups* (all-layer: one group; layer-wise: one per layer; group-wise:
+the user's). Each call of a supported layer is a *site*. A group is complete once every site touching it
+has run its backward; then its per-example norms give the coefficients and:
+
+* if every parameter of the group is an input of the completing site (layer-wise, and also a tied or
+  reused layer, whose last site returns the sum over all its sites), the clipped gradient is returned
+  through autograd from that site, so DeepSpeed's reduce hooks see it like any gradient;
+* otherwise (all-layer, a group spanning layers) each site returns zeros and the clipped gradients are
+  written into ``p.grad`` at the end of the backward pass (book-keeping, Bu et al. 2023). Under ZeRO 1–3
+  this needs DeepSpeed's coalesced reduction (``needs_deferred_writes``).
+
+A parameter used by several sites (tied weights, a layer called twice) has its per-example gradients
+instantiated at each site and summed, so its norm is exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import math
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -26,6 +37,8 @@ from .base import LayerHook, PerSampleFunction, UnsupportedLayerError
 from .clipping import clip_coefficients, layer_thresholds, validate_clipping
 from .registry import find_rule, unsupported_reason
 
+GroupSpec = Sequence[Union[str, nn.Parameter]]
+
 
 class PerSampleEngine:
     """Per-example clipping for every trainable parameter of ``module``.
@@ -33,39 +46,44 @@ class PerSampleEngine:
     Args:
         module: any ``nn.Module``; every trainable parameter must belong to a supported layer.
         max_grad_norm: C, the bound on each example's total gradient norm (``math.inf``: no clipping).
-        clipping: ``"layer-wise"`` (each of the K layers clipped to C/sqrt(K)) or ``"all-layer"``.
+        clipping: ``"layer-wise"`` (one group per layer), ``"all-layer"`` (one group) or ``"group-wise"``.
         clipping_fn: ``"abadi"`` (``min(1, C/‖g‖)``) or ``"automatic"`` (``C/(‖g‖+γ)``).
         gamma: γ of automatic clipping.
         loss_reduction: ``"mean"`` if the loss is the mean of per-example losses over the micro-batch
             (Lightning's convention), ``"sum"`` if it is their sum.
+        groups: for ``"group-wise"``: a list of groups, each a list of parameter-name patterns
+            (``fnmatch``, e.g. ``"encoder.*"``) or of parameters; a parameter joins the first group that
+            matches it. May also be given later with :meth:`set_groups`.
+        group_max_grad_norms: thresholds C_k per group; default C/sqrt(K), so that sqrt(Σ C_k²) = C.
 
     Raises:
         UnsupportedLayerError: from :meth:`attach`, naming each trainable parameter no rule covers.
-        ValueError: for a bad setting.
+        ValueError: for a bad setting or a parameter no group claims.
     """
 
     def __init__(self, module: nn.Module, max_grad_norm: float = 1.0, clipping: str = "layer-wise",
-                 clipping_fn: str = "abadi", gamma: float = 0.01, loss_reduction: str = "mean"):
+                 clipping_fn: str = "abadi", gamma: float = 0.01, loss_reduction: str = "mean",
+                 groups: Optional[Sequence[GroupSpec]] = None,
+                 group_max_grad_norms: Optional[Sequence[float]] = None):
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
         self.module, self.max_grad_norm, self.clipping = module, float(max_grad_norm), clipping
         self.clipping_fn, self.gamma, self.loss_reduction = clipping_fn, gamma, loss_reduction
+        self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
         self.active = False
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
         self.grad_scale = 1.0  # observed grad × grad_scale = gradient of the per-example loss (× B for "mean")
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
-        self.on_finalize = None  # optional callback after all-layer gradients were written
-        self._records: list[tuple] = []
-        self._total_sq: Optional[torch.Tensor] = None
-        self._pending = False
+        self._reset_pass()
         self.reset_stats()
 
     # ---------------------------------------------------------------- attach / validate
     def attach(self) -> "PerSampleEngine":
-        """Replace the forward of each supported layer (instance attribute only) and check coverage (I5)."""
+        """Replace the forward of each supported layer (instance attribute only), check coverage (I5) and
+        form the clipping groups."""
         if self.hooks:
             return self
         covered: set[int] = set()
@@ -73,46 +91,96 @@ class PerSampleEngine:
             rule = find_rule(mod)
             if rule is None:
                 continue
-            trainable = [p is not None and p.requires_grad for p in rule.params(mod)]
-            own = {id(p) for p in mod.parameters(recurse=False)}
-            covered |= {id(p) for p in rule.params(mod) if p is not None}
-            if not any(trainable):
+            params = [p for p in rule.params(mod) if p is not None]
+            if not any(p.requires_grad for p in params):
                 continue
-            if own - {id(p) for p in rule.params(mod) if p is not None}:
-                continue  # extra parameters: reported as uncovered below
+            if {id(p) for p in mod.parameters(recurse=False)} - {id(p) for p in params}:
+                continue  # parameters the rule does not know: reported as uncovered below
             rule.check(mod, name or type(mod).__name__)
+            covered |= {id(p) for p in params}
             hook = LayerHook(self, mod, name or type(mod).__name__, rule)
             mod.forward = hook
             self.hooks.append(hook)
         self._check_coverage(covered)
-        self.thresholds = layer_thresholds(self.max_grad_norm, len(self.hooks))
         self.active = True
+        if self.clipping != "group-wise" or self._group_spec is not None:
+            self.set_groups(self._group_spec, self._group_norms)
         return self
 
+    def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]  # tied: first name
+
     def _check_coverage(self, covered: set[int]) -> None:
-        seen: dict[int, str] = {}
         missing = []
         for mname, mod in self.module.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    continue
-                full = f"{mname}.{pname}" if mname else pname
-                if id(p) in seen:
-                    missing.append(f"'{full}' is tied to '{seen[id(p)]}' (tied parameters are not supported yet: "
-                                   "untie them or freeze one with requires_grad=False)")
-                    continue
-                seen[id(p)] = full
-                if id(p) not in covered:
+                if p.requires_grad and id(p) not in covered:
+                    full = f"{mname}.{pname}" if mname else pname
                     missing.append(f"'{full}' of {type(mod).__name__} '{mname or '<root>'}': "
                                    f"{unsupported_reason(mod)}")
         if missing:
             self.detach()
             raise UnsupportedLayerError(
                 "Differential privacy needs a clipped per-example gradient for every trainable parameter, "
-                "but these are not covered:\n  - " + "\n  - ".join(missing)
+                "but these are not covered:\n  - " + "\n  - ".join(dict.fromkeys(missing))
                 + "\nFix: replace the layer with a supported one (e.g. BatchNorm -> GroupNorm/LayerNorm), or "
                 "freeze the parameter with requires_grad=False."
             )
+
+    def set_groups(self, groups: Optional[Sequence[GroupSpec]] = None,
+                   group_max_grad_norms: Optional[Sequence[float]] = None) -> None:
+        """Form the clipping groups (see the class docstring); ``groups`` only for ``"group-wise"``."""
+        named = self._trainable_named()
+        if self.clipping == "all-layer":
+            members = [[p for _, p in named]]
+        elif self.clipping == "layer-wise":
+            owner: dict[int, int] = {}
+            for k, h in enumerate(self.hooks):
+                for p in h.rule.params(h.module):
+                    if p is not None and p.requires_grad:
+                        owner.setdefault(id(p), k)
+            by_hook: dict[int, list] = {}
+            for _, p in named:
+                by_hook.setdefault(owner[id(p)], []).append(p)
+            members = list(by_hook.values())
+        else:
+            members = self._match_groups(named, groups)
+        if group_max_grad_norms is not None:
+            if len(group_max_grad_norms) != len(members) or not all(c > 0 for c in group_max_grad_norms):
+                raise ValueError(f"group_max_grad_norms needs {len(members)} positive thresholds, one per group, "
+                                 f"got {list(group_max_grad_norms)}.")
+            self.group_thresholds = [float(c) for c in group_max_grad_norms]
+        else:
+            self.group_thresholds = [layer_thresholds(self.max_grad_norm, len(members))] * len(members)
+        self.groups = members
+        self.group_of = {id(p): k for k, grp in enumerate(members) for p in grp}
+        for h in self.hooks:
+            h.param_ids = [id(p) if p is not None and p.requires_grad else None for p in h.rule.params(h.module)]
+            h.groups = sorted({self.group_of[i] for i in h.param_ids if i is not None})
+        # A group can be returned through autograd when every site touching it holds all of its parameters.
+        self.needs_deferred_writes = any(
+            not {id(p) for p in self.groups[k]} <= set(h.param_ids) for h in self.hooks for k in h.groups)
+
+    def _match_groups(self, named, groups) -> list[list[nn.Parameter]]:
+        if not groups:
+            raise ValueError("clipping='group-wise' needs groups: lists of parameter-name patterns (e.g. "
+                             "[['encoder.*'], ['head.*']]) or clipping_groups='param_groups'.")
+        members: list[list[nn.Parameter]] = [[] for _ in groups]
+        unclaimed = []
+        for name, p in named:
+            for k, spec in enumerate(groups):
+                if any((s is p) if isinstance(s, torch.Tensor) else fnmatch.fnmatchcase(name, s) for s in spec):
+                    members[k].append(p)
+                    break
+            else:
+                unclaimed.append(name)
+        if unclaimed:
+            raise ValueError(f"clipping='group-wise': no group claims the trainable parameters {unclaimed}; add "
+                             "a pattern for them (e.g. a last group ['*']).")
+        empty = [k for k, m in enumerate(members) if not m]
+        if empty:
+            raise ValueError(f"clipping='group-wise': groups {empty} match no trainable parameter.")
+        return members
 
     def detach(self) -> None:
         for h in self.hooks:
@@ -133,6 +201,20 @@ class PerSampleEngine:
             self.finalize()
             self.expected_batch_size = None
 
+    def new_forward(self) -> None:
+        """Start of a micro-batch's forward: forget sites of an earlier forward that never ran backward."""
+        self._reset_pass()
+
+    def _reset_pass(self) -> None:
+        self._sites_left: dict[int, int] = {}
+        self._param_sites: dict[int, int] = {}
+        self._group_sq: dict[int, torch.Tensor] = {}
+        self._shared_sum: dict[int, torch.Tensor] = {}
+        self._records: dict[int, list] = {}
+        self._deferred: list = []
+        self._total_sq: Optional[torch.Tensor] = None
+        self._pending = False
+
     def _forward(self, hook: LayerHook, x: torch.Tensor) -> torch.Tensor:
         if not (self.active and torch.is_grad_enabled() and self.module.training):
             return hook.original_forward(x)
@@ -146,65 +228,86 @@ class PerSampleEngine:
                 "dimension first in every layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), "
                 "and use batch_first=True."
             )
-        hook.calls += 1
-        if hook.calls > 1:
-            # Two separately clipped contributions of one parameter would bound its per-example gradient
-            # by 2·C, not C: refuse rather than under-state the sensitivity.
-            raise UnsupportedLayerError(
-                f"{type(hook.module).__name__} '{hook.name}' was called more than once in one forward pass; "
-                "per-example clipping of a reused module is not supported yet. Use a separate module per call.")
+        for k in hook.groups:
+            self._sites_left[k] = self._sites_left.get(k, 0) + 1
+        for i in hook.param_ids:
+            if i is not None:
+                self._param_sites[i] = self._param_sites.get(i, 0) + 1
         return PerSampleFunction.apply(hook, x, *hook.rule.params(hook.module))
 
     # ---------------------------------------------------------------- backward
     def _on_backward(self, hook: LayerHook, x, g, params) -> list[Optional[torch.Tensor]]:
-        if not self._pending:  # one finalize per backward pass (all-layer gradients, statistics)
+        if not self._pending:  # one finalize per backward pass (deferred gradients, statistics)
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
-        trainable = hook.trainable()
-        sq = hook.rule.norm_sq(hook.module, x, g, trainable)
         scale = self.grad_scale * (x.shape[0] if self.loss_reduction == "mean" else 1)
-        if self.clipping == "layer-wise":
-            norms = sq.sqrt() * scale
-            self._accumulate_total(norms.pow(2))
-            coef = clip_coefficients(norms, self.thresholds, self.clipping_fn, self.gamma)
-            return hook.rule.clipped_grads(hook.module, x, g, coef * (scale * self.emit_scale), trainable)
-        # all-layer: book-keep; the clipped gradient is formed once every layer's norm is known.
-        self._accumulate_total(sq * scale * scale)
-        self._records.append((hook, x, g, scale, trainable))
-        return [torch.zeros_like(p) if (p is not None and t) else None for p, t in zip(params, trainable)]
+        ids = hook.param_ids
+        shared = [i is not None and self._param_sites.get(i, 0) > 1 for i in ids]
+        plain = [i is not None and not s for i, s in zip(ids, shared)]
+        if any(plain):
+            for i, sq in zip(ids, hook.rule.norm_sq(hook.module, x, g, plain)):
+                if sq is not None:
+                    self._add(self._group_sq, self.group_of[i], sq * (scale * scale))
+        if any(shared):
+            for i, pe in zip(ids, hook.rule.per_example(hook.module, x, g, shared)):
+                if pe is not None:
+                    self._add(self._shared_sum, i, pe * scale)
+        site = (hook, x, g, scale)
+        out: dict[int, torch.Tensor] = {}
+        for k in hook.groups:
+            self._records.setdefault(k, []).append(site)
+            self._sites_left[k] -= 1
+            if self._sites_left[k] == 0:
+                out.update(self._complete(k, hook))
+        return [out.get(i, torch.zeros_like(p)) if i is not None else None for i, p in zip(ids, params)]
 
-    def _accumulate_total(self, sq: torch.Tensor) -> None:
-        self._total_sq = sq if self._total_sq is None else self._total_sq + sq
+    @staticmethod
+    def _add(store: dict, key: int, value: torch.Tensor) -> None:
+        store[key] = value if key not in store else store[key] + value
 
-    def new_forward(self) -> None:
-        """Start of a micro-batch's forward: reset the per-module call counts."""
-        for h in self.hooks:
-            h.calls = 0
+    def _complete(self, k: int, hook: Optional[LayerHook]) -> dict[int, torch.Tensor]:
+        """Group ``k`` has seen all its sites: coefficients, then its clipped gradients (returned or deferred)."""
+        ids = {id(p) for p in self.groups[k]}
+        sq = self._group_sq.pop(k, None)
+        for i in ids & self._shared_sum.keys():
+            s = self._shared_sum.pop(i).flatten(1).pow(2).sum(1)
+            sq = s if sq is None else sq + s
+        norms = sq.sqrt()
+        self._total_sq = norms.pow(2) if self._total_sq is None else self._total_sq + norms.pow(2)
+        coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
+        records = self._records.pop(k)
+        if hook is not None and ids <= set(hook.param_ids):
+            return self._clipped(ids, coef, records)
+        self._deferred.append((ids, coef, records))
+        return {}
+
+    def _clipped(self, ids: set[int], coef: torch.Tensor, records: list) -> dict[int, torch.Tensor]:
+        """Σ over sites of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id."""
+        out: dict[int, torch.Tensor] = {}
+        for hook, x, g, scale in records:
+            mask = [i in ids for i in hook.param_ids]
+            grads = hook.rule.clipped_grads(hook.module, x, g, coef * (scale * self.emit_scale), mask)
+            for i, gr in zip(hook.param_ids, grads):
+                if gr is not None:
+                    self._add(out, i, gr)
+        return out
 
     def finalize(self) -> None:
-        """End of a backward pass: all-layer gradients are written, statistics updated. Idempotent."""
-        self._pending = False
-        self.new_forward()
+        """End of a backward pass: deferred gradients are added to ``p.grad``, statistics updated."""
+        for k in list(self._records):  # a group some of whose sites never ran backward (unused output)
+            self._complete(k, None)
+        by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
+        for ids, coef, records in self._deferred:
+            for i, gr in self._clipped(ids, coef, records).items():
+                p = by_id[i]
+                if p.grad is None:
+                    p.grad = gr.to(p.dtype)
+                else:
+                    p.grad.add_(gr.to(p.grad.dtype).view_as(p.grad))
         total = self._total_sq
-        self._total_sq = None
-        if total is None:
-            return
-        norms = total.sqrt()
-        if self.clipping == "all-layer":
-            coef = clip_coefficients(norms, self.max_grad_norm, self.clipping_fn, self.gamma)
-            for hook, x, g, scale, trainable in self._records:
-                grads = hook.rule.clipped_grads(hook.module, x, g, coef * (scale * self.emit_scale), trainable)
-                for p, gr in zip(hook.rule.params(hook.module), grads):
-                    if gr is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = gr.to(p.dtype)
-                    else:
-                        p.grad.add_(gr.to(p.grad.dtype).view_as(p.grad))
-            self._records = []
-            if self.on_finalize is not None:
-                self.on_finalize()
-        self._update_stats(norms)
+        self._reset_pass()
+        if total is not None:
+            self._update_stats(total.sqrt())
 
     # ---------------------------------------------------------------- statistics
     def reset_stats(self) -> None:

@@ -54,19 +54,23 @@ class LinearRule(LayerRule):
         """The layer as T rows per example: inputs (B, T, d) and output gradients (B, T, p)."""
         return batch_rows(x), batch_rows(g)
 
-    def norm_sq(self, module, x, g, trainable):
+    def norm_sq(self, module, x, g, mask):
         a, gg = self._rows(module, x, g)
-        out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-        if trainable[0]:
-            out += rows_norm_sq(a, gg)
-        if len(trainable) > 1 and trainable[1]:
-            out += gg.float().sum(1).pow(2).sum(1)
-        return out
+        w = rows_norm_sq(a, gg) if mask[0] else None
+        b = gg.float().sum(1).pow(2).sum(1) if len(mask) > 1 and mask[1] else None
+        return [w, b]
 
-    def clipped_grads(self, module, x, g, coef, trainable):
+    def per_example(self, module, x, g, mask):
         a, gg = self._rows(module, x, g)
-        w = weighted_rows_grad(a, gg, coef).view(param_shape(module.weight)) if trainable[0] else None
+        B = gg.shape[0]
+        w = torch.bmm(gg.float().transpose(1, 2), a.float()).view(B, *param_shape(module.weight)) if mask[0] else None
+        b = gg.float().sum(1) if len(mask) > 1 and mask[1] else None
+        return [w, b]
+
+    def clipped_grads(self, module, x, g, coef, mask):
+        a, gg = self._rows(module, x, g)
+        w = weighted_rows_grad(a, gg, coef).view(param_shape(module.weight)) if mask[0] else None
         b = None
-        if len(trainable) > 1 and trainable[1]:
+        if len(mask) > 1 and mask[1]:
             b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype)
         return [w, b]

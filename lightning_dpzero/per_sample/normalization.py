@@ -21,21 +21,20 @@ class _AffineNormRule(LayerRule):
         """(weight, bias) per-example gradients, each ``(B, p)`` fp32."""
         raise NotImplementedError
 
-    def norm_sq(self, module, x, g, trainable):
-        gw, gb = self._per_example(module, x, g)
-        out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
-        if trainable[0]:
-            out += gw.pow(2).sum(1)
-        if trainable[1]:
-            out += gb.pow(2).sum(1)
-        return out
+    def norm_sq(self, module, x, g, mask):
+        per = self._per_example(module, x, g)
+        return [t.pow(2).sum(1) if m else None for t, m in zip(per, mask)]
 
-    def clipped_grads(self, module, x, g, coef, trainable):
-        gw, gb = self._per_example(module, x, g)
+    def per_example(self, module, x, g, mask):
+        per = self._per_example(module, x, g)
+        params = self.params(module)
+        return [t.view(t.shape[0], *param_shape(p)) if m else None for t, p, m in zip(per, params, mask)]
+
+    def clipped_grads(self, module, x, g, coef, mask):
+        per = self._per_example(module, x, g)
+        params = self.params(module)
         c = coef.view(-1, 1)
-        w = (gw * c).sum(0).view(param_shape(module.weight)).to(g.dtype) if trainable[0] else None
-        b = (gb * c).sum(0).view(param_shape(module.bias)).to(g.dtype) if trainable[1] else None
-        return [w, b]
+        return [(t * c).sum(0).view(param_shape(p)).to(g.dtype) if m else None for t, p, m in zip(per, params, mask)]
 
 
 class LayerNormRule(_AffineNormRule):
@@ -50,8 +49,9 @@ class LayerNormRule(_AffineNormRule):
             n *= s
         xh = F.layer_norm(x.float(), module.normalized_shape, None, None, module.eps)
         B = x.shape[0]
-        gf = g.float().reshape(B, -1, n)
-        return (xh.reshape(B, -1, n) * gf).sum(1), gf.sum(1)
+        T = x.numel() // max(B * n, 1)
+        gf = g.float().reshape(B, T, n)
+        return (xh.reshape(B, T, n) * gf).sum(1), gf.sum(1)
 
 
 class GroupNormRule(_AffineNormRule):
@@ -63,5 +63,5 @@ class GroupNormRule(_AffineNormRule):
     def _per_example(self, module, x, g):
         xh = F.group_norm(x.float(), module.num_groups, None, None, module.eps)
         B, C = x.shape[0], x.shape[1]
-        gf = g.float().reshape(B, C, -1)
-        return (xh.reshape(B, C, -1) * gf).sum(2), gf.sum(2)
+        gf = g.float().flatten(2) if g.dim() > 2 else g.float().unsqueeze(2)
+        return (xh.reshape(gf.shape) * gf).sum(2), gf.sum(2)
