@@ -249,11 +249,14 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         if self.per_sample is not None:
             self.per_sample.expected_batch_size = extract_batch_size(args[0]) if args else None
             self.per_sample.new_forward()
-        out = super().training_step(*args, **kwargs)
-        if self.per_sample is not None and self.per_sample.expected_batch_size == 0:
-            # An empty Poisson batch is a valid noise-only step; the mean loss over no examples is NaN.
-            out = _zero_loss(out)
-        return out
+        if self.per_sample is None or self.per_sample.expected_batch_size != 0:
+            return super().training_step(*args, **kwargs)
+        # An empty Poisson batch is a valid noise-only step that every rank must run (collectives). The mean
+        # loss over no examples is NaN: its self.log calls are dropped, so no epoch mean turns NaN, and the
+        # loss handed to backward is 0 (its gradient is exactly zero either way).
+        with _logging_suppressed(self.lightning_module):
+            out = super().training_step(*args, **kwargs)
+        return _zero_loss(out)
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.per_sample is None:
@@ -344,6 +347,15 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"DP-SGD on DeepSpeed {kw or 'ZeRO stage 2'}",
                                            **kw)
+
+
+@contextlib.contextmanager
+def _logging_suppressed(module):
+    module.log = module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
 
 
 def _zero_loss(out):

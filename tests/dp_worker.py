@@ -45,7 +45,9 @@ class Module(L.LightningModule):
         out = self.net(x)
         if self.case.get("zero_loss"):
             return (out * 0.0).sum() / max(len(x), 1)
-        return nn.functional.cross_entropy(out, y)
+        loss = nn.functional.cross_entropy(out, y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=len(x))
+        return loss
 
     def configure_optimizers(self):
         if self.case.get("opt_groups"):  # optimizer parameter groups by name patterns (group-wise clipping)
@@ -112,7 +114,8 @@ def run_case(case, out_dir, devices):
     if rank == 0:
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),
-                    "epsilon": float(callbacks[0].epsilon())},
+                    "epsilon": float(callbacks[0].epsilon()),
+                    "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},
                    os.path.join(out_dir, f"{name}.pt"))
 
 
