@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import torch
@@ -52,13 +52,19 @@ class NoiseSource:
 
     def __init__(self, seed: int, secure_mode: bool, replicated: bool, rank: int):
         self.secure_mode, self.replicated, self.rank = secure_mode, replicated, rank
-        self._gen: Optional[torch.Generator] = None
-        if not secure_mode:
-            self._gen = torch.Generator().manual_seed(int(seed) + (0 if replicated else int(rank)))
+        self._seed = int(seed) + (0 if replicated else int(rank))
+        self._gens: dict[str, torch.Generator] = {}
+
+    def _generator(self, device) -> torch.Generator:
+        # One stream per device type, drawn where the gradient lives (no host-to-GPU copy of the noise).
+        key = torch.device(device).type
+        if key not in self._gens:
+            self._gens[key] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._gens[key]
 
     def normal(self, shape, device) -> torch.Tensor:
         if not self.secure_mode:
-            return torch.randn(shape, generator=self._gen, dtype=torch.float32).to(device)
+            return torch.randn(shape, generator=self._generator(device), dtype=torch.float32, device=device)
         if not self.replicated or not (dist.is_available() and dist.is_initialized()):
             return secure_normal(shape, device=device)
         z = secure_normal(shape, device=device) if self.rank == 0 else torch.empty(shape, device=device)
