@@ -22,8 +22,10 @@ from torch import nn
 class LayerRule:
     """Per-example machinery for one layer family. Subclasses live one family per file."""
 
-    #: module classes handled (exact types; subclasses are refused until a rule says otherwise)
+    #: module classes handled (a subclass is accepted when it overrides none of ``forward_methods``)
     module_types: tuple[type, ...] = ()
+    #: methods whose override by a subclass changes what the layer computes (the subclass is then refused)
+    forward_methods: tuple[str, ...] = ("forward",)
     #: names of the parameters the rule covers, in the order passed to :class:`PerSampleFunction`
     param_names: tuple[str, ...] = ("weight", "bias")
 

@@ -1,52 +1,131 @@
-"""``nn.Conv2d`` (groups=1, zero padding) as a Linear over unfolded patches (Lee & Kifer 2021, §4).
+"""``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` as a Linear over unfolded patches (Lee & Kifer 2021, §4).
 
-With ``unfold``, an example's input becomes T = H_out·W_out rows of d = C_in·k_h·k_w values and its output
-gradient T rows of p = C_out values, so the Linear rule's ghost-or-instantiate choice applies unchanged.
+Unfolding (im2col) turns one example's input into T rows (one per output position, T = Π out_spatial) of
+d = C_in·Π kernel values, and its output gradient into T rows of p = C_out values; the weight gradient is
+then ``Σ_t g_t a_tᵀ``, a Linear's, so the Linear rule's ghost-or-instantiate norm (Li et al. 2021; Bu et al.
+2023) and weighted sum apply unchanged.
+
+Supported: any stride, dilation, padding (int, tuple, ``'valid'``, ``'same'`` also when asymmetric), every
+``padding_mode`` (the input is padded explicitly, then unfolded without padding), and ``groups`` G: group j
+maps channels ``j·C_in/G …`` to outputs ``j·C_out/G …``, so the per-example weight gradient is G blocks
+``(C_out/G, C_in/G·Πk)``; the groups are folded into the batch for norms (``(B·G, T, d/G)`` rows, squared
+norms summed per example) and into a batched matmul for the clipped sum. Inputs must be batched
+``(B, C_in, *spatial)``; unbatched inputs are refused at the forward.
+
+Patch extraction: ``F.unfold`` for 2-D (1-D as 2-D with height 1); 3-D with ``Tensor.unfold`` per spatial
+dimension (a window of ``dilation·(k−1)+1`` then every ``dilation``-th element).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import UnsupportedLayerError
-from .linear import LinearRule
+from .base import LayerRule, UnsupportedLayerError, param_shape
+from .linear import LinearRule, rows_norm_sq
+
+_GRAD_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
 
 
-def _padding(module: nn.Conv2d):
+def _pads(module) -> list[tuple[int, int]]:
+    """(left, right) zero/mode padding per spatial dimension, as PyTorch applies it."""
+    n = len(module.kernel_size)
     if module.padding == "valid":
-        return (0, 0)
+        return [(0, 0)] * n
     if module.padding == "same":
-        return tuple(d * (k - 1) // 2 for d, k in zip(module.dilation, module.kernel_size))
-    return module.padding
+        tot = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+        return [(t // 2, t - t // 2) for t in tot]
+    return [(p, p) for p in module.padding]
 
 
-class Conv2dRule(LinearRule):
-    """Shares the Linear rule's norms and weighted sums; only the rows differ (unfolded patches)."""
+def unfold_patches(module, x: torch.Tensor) -> torch.Tensor:
+    """``(B, C, *spatial)`` → rows ``(B, T, C·Πk)`` (channel-major, like the flattened weight)."""
+    n = len(module.kernel_size)
+    flat = [v for lr in reversed(_pads(module)) for v in lr]
+    if any(flat):
+        x = F.pad(x, flat, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+    B, C = x.shape[0], x.shape[1]
+    K = math.prod(module.kernel_size)
+    if n <= 2:
+        pre = (1,) * (2 - n)
+        x4 = x.reshape(B, C, *pre, *x.shape[2:])
+        a = F.unfold(x4, pre + tuple(module.kernel_size), pre + tuple(module.dilation), 0, pre + tuple(module.stride))
+        return a.transpose(1, 2)
+    for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]  # appends the window as the last dimension
+    T = math.prod(x.shape[2:2 + n])
+    perm = (0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
+    return x.permute(*perm).reshape(B, T, C * K)
 
-    module_types = (nn.Conv2d,)
 
-    def check(self, module, name):
-        if module.groups != 1:
-            raise UnsupportedLayerError(
-                f"Conv2d '{name}' has groups={module.groups}; grouped convolutions are not supported yet. "
-                "Fix: use groups=1.")
-        if module.padding_mode != "zeros":
-            raise UnsupportedLayerError(
-                f"Conv2d '{name}' has padding_mode={module.padding_mode!r}; use padding_mode='zeros'.")
-        if module.padding == "same" and any(k % 2 == 0 for k in module.kernel_size):
-            raise UnsupportedLayerError(
-                f"Conv2d '{name}' uses padding='same' with an even kernel (asymmetric padding); "
-                "give the padding explicitly.")
+def _fold_groups(t: torch.Tensor, G: int) -> torch.Tensor:
+    """Rows ``(B, T, G·k)`` → ``(B·G, T, k)``: each (example, group) pair as its own Linear example."""
+    B, T, D = t.shape
+    return t.reshape(B, T, G, D // G).transpose(1, 2).reshape(B * G, T, D // G)
+
+
+class ConvRule(LinearRule):
+    """Conv1d/2d/3d; shares the Linear rule's norms and weighted sums (groups=1), only the rows differ."""
+
+    module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    forward_methods = ("forward", "_conv_forward")
 
     def forward(self, module, x, weight, bias=None):
-        return F.conv2d(x, weight, bias, module.stride, _padding(module), module.dilation, module.groups)
+        n = len(module.kernel_size)
+        if x.dim() != n + 2:
+            raise UnsupportedLayerError(
+                f"{type(module).__name__} received an input of shape {tuple(x.shape)}; per-example clipping "
+                f"needs a batched input (B, C, {', '.join('*' * n)}), batch first.")
+        return module._conv_forward(x, weight, bias)  # PyTorch's own: padding modes, asymmetric 'same'
 
     def grad_input(self, module, x, params, g):
-        return torch.nn.grad.conv2d_input(x.shape, params[0].to(g.dtype), g, module.stride, _padding(module),
-                                          module.dilation, module.groups)
+        pads = _pads(module)
+        if module.padding_mode != "zeros" or any(l != r for l, r in pads):
+            return LayerRule.grad_input(self, module, x, params, g)  # recompute through F.pad
+        fn = _GRAD_INPUT[len(module.kernel_size)]
+        return fn(x.shape, params[0].to(g.dtype), g, module.stride, [l for l, _ in pads], module.dilation,
+                  module.groups)
 
     def _rows(self, module, x, g):
-        a = F.unfold(x, module.kernel_size, module.dilation, _padding(module), module.stride)  # (B, d, T)
-        return a.transpose(1, 2), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)
+        return unfold_patches(module, x), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)
+
+    def _bias(self, gg, mask):
+        return gg.float().sum(1).pow(2).sum(1) if len(mask) > 1 and mask[1] else None
+
+    def norm_sq(self, module, x, g, mask):
+        G = module.groups
+        if G == 1:
+            return super().norm_sq(module, x, g, mask)
+        a, gg = self._rows(module, x, g)
+        w = rows_norm_sq(_fold_groups(a, G), _fold_groups(gg, G)).view(gg.shape[0], G).sum(1) if mask[0] else None
+        return [w, self._bias(gg, mask)]
+
+    def per_example(self, module, x, g, mask):
+        G = module.groups
+        if G == 1:
+            return super().per_example(module, x, g, mask)
+        a, gg = self._rows(module, x, g)
+        B = gg.shape[0]
+        w = None
+        if mask[0]:
+            w = torch.bmm(_fold_groups(gg.float(), G).transpose(1, 2), _fold_groups(a.float(), G))  # (B·G, p/G, d/G)
+            w = w.reshape(B, *param_shape(module.weight))
+        b = gg.float().sum(1) if len(mask) > 1 and mask[1] else None
+        return [w, b]
+
+    def clipped_grads(self, module, x, g, coef, mask):
+        G = module.groups
+        if G == 1:
+            return super().clipped_grads(module, x, g, coef, mask)
+        a, gg = self._rows(module, x, g)
+        B, T, p = gg.shape
+        w = None
+        if mask[0]:
+            gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(B * T, G, p // G).transpose(0, 1)  # (G, BT, p/G)
+            ag = a.to(gg.dtype).reshape(B * T, G, a.shape[-1] // G).transpose(0, 1)  # (G, BT, d/G)
+            w = torch.bmm(gw.transpose(1, 2), ag).reshape(param_shape(module.weight))  # no B×p×d tensor
+        b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype) if len(mask) > 1 and mask[1] else None
+        return [w, b]

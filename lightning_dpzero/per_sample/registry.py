@@ -1,4 +1,10 @@
-"""Which rule handles which module type. One layer family per file; registered here."""
+"""Which rule handles which module. One layer family per file; registered here.
+
+A module is matched, in order, by its exact type, then as a
+subclass of a registered type that overrides none of the rule's ``forward_methods`` (e.g. PyTorch's
+``NonDynamicallyQuantizableLinear`` or a user's ``class MyLinear(nn.Linear): pass``). A subclass that
+overrides ``forward`` is refused: the rule could not know what it computes.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from typing import Optional
 from torch import nn
 
 from .base import LayerRule
-from .conv import Conv2dRule
+from .conv import ConvRule
 from .embedding import EmbeddingRule
 from .linear import LinearRule
 from .normalization import GroupNormRule, LayerNormRule
@@ -16,12 +22,12 @@ RULES: dict[type, LayerRule] = {}
 
 
 def register_rule(rule: LayerRule) -> None:
-    """Register ``rule`` for each of its ``module_types`` (exact type match)."""
+    """Register ``rule`` for each of its ``module_types`` (and its subclasses, see the module docstring)."""
     for t in rule.module_types:
         RULES[t] = rule
 
 
-for _rule in (LinearRule(), Conv2dRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule()):
+for _rule in (LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule()):
     register_rule(_rule)
 
 _HINTS = {
@@ -30,18 +36,44 @@ _HINTS = {
 }
 
 
+def _registered_base(cls: type) -> Optional[type]:
+    """The nearest registered class in ``cls``'s method resolution order."""
+    return next((b for b in cls.__mro__[1:] if b in RULES), None)
+
+
+def _overridden(cls: type, base: type) -> list[str]:
+    return [m for m in RULES[base].forward_methods if getattr(cls, m, None) is not getattr(base, m, None)]
+
+
 def find_rule(module: nn.Module) -> Optional[LayerRule]:
-    return RULES.get(type(module))
+    """The rule for ``module``, or ``None`` (no rule, or a refused subclass)."""
+    cls = type(module)
+    rule = RULES.get(cls)
+    if rule is None:
+        base = _registered_base(cls)
+        if base is not None and not _overridden(cls, base):
+            rule = RULES[base]
+    return rule
 
 
 def unsupported_reason(module: nn.Module) -> str:
-    name = type(module).__name__
+    cls = type(module)
+    name = cls.__name__
     for key, hint in _HINTS.items():
         if name.startswith(key):
             return hint
-    for t in RULES:
-        if isinstance(module, t):
-            return (f"subclasses of {t.__name__} are not supported yet (the subclass may change the forward); "
-                    f"use {t.__name__} itself")
-    supported = ", ".join(sorted(t.__name__ for t in RULES))
+    rule = find_rule(module)
+    if rule is not None:
+        known = {id(p) for p in rule.params(module) if p is not None}
+        extra = [n for n, p in module.named_parameters(recurse=False) if id(p) not in known]
+        return (f"{name} holds parameters its per-example rule does not know ({', '.join(extra)}); register them "
+                "on a separate module, or freeze them")
+    base = _registered_base(cls)
+    if base is not None:
+        methods = ", ".join(_overridden(cls, base))
+        return (f"{name} subclasses {base.__name__} but overrides {methods}, so the per-example rule for "
+                f"{base.__name__} cannot know what it computes (subclasses that keep {base.__name__}'s "
+                f"forward are accepted); use {base.__name__} itself, or move the extra computation into a "
+                "parameter-free module around it")
+    supported = ", ".join(sorted({t.__name__ for t in RULES}))
     return f"no per-example rule for {name} (supported: {supported})"
