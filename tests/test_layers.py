@@ -140,6 +140,54 @@ def test_conv_refuses_unbatched_input():
         conv(torch.randn(2, 8))
 
 
+# ---------------------------------------------------------------------------------------------- HF Conv1D
+class Conv1D(nn.Module):
+    """Stand-in for ``transformers.pytorch_utils.Conv1D`` (transformers is not a dependency)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+Conv1D.__module__ = "transformers.pytorch_utils"
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(h, d), Conv1D(d, h)
+
+    def forward(self, x):
+        return self.c_proj(torch.tanh(self.c_fc(x)))
+
+
+@SETTINGS
+@given(d=st.integers(1, 6), h=st.integers(1, 8), T=st.sampled_from([None, 1, 2, 5, 9]), clip=clip_st)
+def test_hf_conv1d_matches_oracle(d, h, T, clip):
+    torch.manual_seed(clip["seed"])
+    shape = (clip["B"], d) if T is None else (clip["B"], T, d)
+    hooks = check_oracle(GPT2MLP(d, h), torch.randn(shape), clip)
+    assert [rule for _, rule in hooks] == ["HFConv1DRule"] * 2
+
+
+def test_hf_conv1d_found_by_name_only():
+    from lightning_dpzero.per_sample.registry import find_rule
+
+    assert type(find_rule(Conv1D(3, 2))).__name__ == "HFConv1DRule"
+    Other = type("Conv1D", (nn.Module,), {"__module__": "mypackage.layers"})
+    assert find_rule(Other()) is None
+    bad = Conv1D(3, 2)
+    bad.nf = 5
+    with pytest.raises(UnsupportedLayerError, match="nx, nf"):
+        PerSampleEngine(bad).attach()
+
+
 # ---------------------------------------------------------------------------------------------- Linear, Embedding, LayerNorm, GroupNorm
 class TokenNet(nn.Module):
     def __init__(self, V, d, h, groups):

@@ -1,6 +1,7 @@
 """Which rule handles which module. One layer family per file; registered here.
 
-A module is matched, in order, by its exact type, then as a
+A module is matched, in order, by its exact type, by its class name and module path (layers of optional
+libraries, e.g. HuggingFace's ``Conv1D``, so that ``transformers`` is never imported here), then as a
 subclass of a registered type that overrides none of the rule's ``forward_methods`` (e.g. PyTorch's
 ``NonDynamicallyQuantizableLinear`` or a user's ``class MyLinear(nn.Linear): pass``). A subclass that
 overrides ``forward`` is refused: the rule could not know what it computes.
@@ -15,10 +16,13 @@ from torch import nn
 from .base import LayerRule
 from .conv import ConvRule
 from .embedding import EmbeddingRule
+from .hf_conv1d import HFConv1DRule
 from .linear import LinearRule
 from .normalization import GroupNormRule, LayerNormRule
 
 RULES: dict[type, LayerRule] = {}
+#: (module-path prefix, class name) -> rule, for classes of libraries that may be absent
+NAMED_RULES: dict[tuple[str, str], LayerRule] = {}
 
 
 def register_rule(rule: LayerRule) -> None:
@@ -27,13 +31,26 @@ def register_rule(rule: LayerRule) -> None:
         RULES[t] = rule
 
 
+def register_named_rule(module_prefix: str, class_name: str, rule: LayerRule) -> None:
+    """Register ``rule`` for classes called ``class_name`` defined in a module under ``module_prefix``."""
+    NAMED_RULES[(module_prefix, class_name)] = rule
+
+
 for _rule in (LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule()):
     register_rule(_rule)
+register_named_rule("transformers", "Conv1D", HFConv1DRule())
 
 _HINTS = {
     "BatchNorm": "BatchNorm mixes examples in a batch, so no per-example gradient exists; use GroupNorm or LayerNorm",
     "SyncBatchNorm": "BatchNorm mixes examples in a batch; use GroupNorm or LayerNorm",
 }
+
+
+def _named(cls: type) -> Optional[LayerRule]:
+    for (prefix, name), rule in NAMED_RULES.items():
+        if cls.__name__ == name and (cls.__module__ == prefix or cls.__module__.startswith(prefix + ".")):
+            return rule
+    return None
 
 
 def _registered_base(cls: type) -> Optional[type]:
@@ -48,7 +65,7 @@ def _overridden(cls: type, base: type) -> list[str]:
 def find_rule(module: nn.Module) -> Optional[LayerRule]:
     """The rule for ``module``, or ``None`` (no rule, or a refused subclass)."""
     cls = type(module)
-    rule = RULES.get(cls)
+    rule = RULES.get(cls) or _named(cls)
     if rule is None:
         base = _registered_base(cls)
         if base is not None and not _overridden(cls, base):
@@ -75,5 +92,5 @@ def unsupported_reason(module: nn.Module) -> str:
                 f"{base.__name__} cannot know what it computes (subclasses that keep {base.__name__}'s "
                 f"forward are accepted); use {base.__name__} itself, or move the extra computation into a "
                 "parameter-free module around it")
-    supported = ", ".join(sorted({t.__name__ for t in RULES}))
+    supported = ", ".join(sorted({t.__name__ for t in RULES} | {n for _, n in NAMED_RULES}))
     return f"no per-example rule for {name} (supported: {supported})"

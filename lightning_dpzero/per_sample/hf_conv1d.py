@@ -1,0 +1,54 @@
+"""HuggingFace ``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): ``out = x @ W + b``.
+
+The weight is stored transposed relative to ``nn.Linear``: ``W`` is ``(d_in, d_out)`` (``nx``, ``nf``). For an
+example with T rows ``a_t ∈ R^{d_in}`` and output gradients ``g_t ∈ R^{d_out}`` the weight gradient is
+``Σ_t a_t g_tᵀ`` — the Linear gradient transposed, with the same Frobenius norm — so the Linear rule's
+ghost-or-instantiate norm (Li et al. 2021) is reused as is; only the instantiated and clipped gradients are
+transposed. The class is matched by name and module path (see ``registry``): ``transformers`` is never
+imported by this package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import UnsupportedLayerError, batch_rows, param_shape
+from .linear import LinearRule
+
+
+class HFConv1DRule(LinearRule):
+    module_types = ()  # registered by name: ("transformers", "Conv1D")
+
+    def check(self, module, name):
+        w = getattr(module, "weight", None)
+        nf = getattr(module, "nf", None)
+        shape = tuple(param_shape(w)) if w is not None else ()
+        if len(shape) != 2 or (nf is not None and shape[1] != nf):
+            raise UnsupportedLayerError(
+                f"Conv1D '{name}' has a weight of shape {shape}, not (nx, nf) = (d_in, d_out) as HuggingFace's "
+                "transformers.pytorch_utils.Conv1D; per-example clipping supports that layout only. "
+                "Fix: use nn.Linear (weight (d_out, d_in)).")
+
+    def forward(self, module, x, weight, bias=None):
+        out = x.matmul(weight)
+        return out if bias is None else out + bias
+
+    def grad_input(self, module, x, params, g):
+        return g.matmul(params[0].to(g.dtype).t())
+
+    def per_example(self, module, x, g, mask):
+        a, gg = batch_rows(x), batch_rows(g)
+        B = gg.shape[0]
+        w = torch.bmm(a.float().transpose(1, 2), gg.float()).view(B, *param_shape(module.weight)) if mask[0] else None
+        b = gg.float().sum(1) if len(mask) > 1 and mask[1] else None
+        return [w, b]
+
+    def clipped_grads(self, module, x, g, coef, mask):
+        a, gg = batch_rows(x), batch_rows(g)
+        w = b = None
+        if mask[0]:  # Σ_i coef_i Σ_t a_t g_tᵀ as one (d_in, d_out) matmul: no B×d_in×d_out tensor
+            gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
+            w = a.reshape(-1, a.shape[-1]).to(gg.dtype).t().mm(gw).view(param_shape(module.weight))
+        if len(mask) > 1 and mask[1]:
+            b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype)
+        return [w, b]
