@@ -211,6 +211,50 @@ def test_linear_embedding_layernorm_groupnorm_match_oracle(V, d, gh, T, clip):
     check_oracle(TokenNet(V, d, gh[1], gh[0]), torch.randint(0, V, (clip["B"], T)), clip)
 
 
+# ---------------------------------------------------------------------------------------------- InstanceNorm, RMSNorm
+@SETTINGS
+@given(n=st.sampled_from([1, 2, 3]), C=st.integers(1, 3), size=st.lists(st.integers(1, 4), min_size=3, max_size=3),
+       eps=st.sampled_from([1e-5, 0.1]), clip=clip_st)
+def test_instance_norm_matches_oracle(n, C, size, eps, clip):
+    size = size[:n]
+    if math.prod(size) < 3:
+        size[0] = 3  # > 1 element in training; 2 would make x̂ = ±1, whose input gradient is float32 noise
+    torch.manual_seed(clip["seed"])
+    norm = INORM[n](C, eps=eps, affine=True)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    check_oracle(PreThen(n, C, norm), torch.randn(clip["B"], C, *size), clip)
+
+
+def test_instance_norm_with_running_stats_is_refused():
+    with pytest.raises(UnsupportedLayerError, match="track_running_stats=True.*not be differentially private"):
+        PerSampleEngine(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)).attach()
+
+
+class RMSNet(nn.Module):
+    def __init__(self, d, shape, eps, affine):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.RMSNorm(shape, eps=eps, elementwise_affine=affine)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.lin(x)))
+
+
+@SETTINGS
+@given(d=st.integers(2, 6), T=st.integers(1, 5), two_dims=st.booleans(), eps=st.sampled_from([None, 1e-3]),
+       affine=st.booleans(), clip=clip_st)
+def test_rmsnorm_matches_oracle(d, T, two_dims, eps, affine, clip):
+    torch.manual_seed(clip["seed"])
+    model = RMSNet(d, (T, d) if two_dims else (d,), eps, affine)
+    if affine:
+        with torch.no_grad():
+            model.norm.weight.normal_()
+    check_oracle(model, torch.randn(clip["B"], T, d), clip)
+
+
 # ---------------------------------------------------------------------------------------------- subclasses
 class MyLinear(nn.Linear):
     pass

@@ -18,7 +18,7 @@ from .conv import ConvRule
 from .embedding import EmbeddingRule
 from .hf_conv1d import HFConv1DRule
 from .linear import LinearRule
-from .normalization import GroupNormRule, LayerNormRule
+from .normalization import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
 
 RULES: dict[type, LayerRule] = {}
 #: (module-path prefix, class name) -> rule, for classes of libraries that may be absent
@@ -36,7 +36,8 @@ def register_named_rule(module_prefix: str, class_name: str, rule: LayerRule) ->
     NAMED_RULES[(module_prefix, class_name)] = rule
 
 
-for _rule in (LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule()):
+for _rule in (LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule(), InstanceNormRule(),
+              RMSNormRule()):
     register_rule(_rule)
 register_named_rule("transformers", "Conv1D", HFConv1DRule())
 
