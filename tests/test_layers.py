@@ -255,6 +255,127 @@ def test_rmsnorm_matches_oracle(d, T, two_dims, eps, affine, clip):
     check_oracle(model, torch.randn(clip["B"], T, d), clip)
 
 
+# ---------------------------------------------------------------------------------------------- MultiheadAttention
+@st.composite
+def mha_cases(draw):
+    H, hd = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    mode = draw(st.sampled_from(["self", "cross", "cross_dims"]))
+    L = draw(st.integers(1, 5))
+    S = L if mode == "self" else draw(st.integers(1, 5))
+    mask = draw(st.sampled_from([None, "causal", "float", "float3d"] if L == S else [None, "float", "float3d"]))
+    need = draw(st.booleans())
+    return dict(H=H, E=H * hd, mode=mode, L=L, S=S, mask=mask, kpm=draw(st.booleans()), bias=draw(st.booleans()),
+                bias_kv=draw(st.booleans()), zero_attn=draw(st.booleans()), need=need,
+                use_w=need and draw(st.booleans()), avg=draw(st.booleans()),
+                kdim=draw(st.integers(1, 4)), vdim=draw(st.integers(1, 4)))
+
+
+class AttnNet(nn.Module):
+    """Self- or cross-attention after trainable projections of the query (and key) inputs; x packs the
+    query rows then the key/value rows, so the oracle sees one tensor per example."""
+
+    def __init__(self, c, dropout=0.0):
+        super().__init__()
+        self.c = c
+        E = c["E"]
+        kdim, vdim = (c["kdim"], c["vdim"]) if c["mode"] == "cross_dims" else (E, E)
+        self.pre = nn.Linear(E, E)
+        self.kv = nn.Linear(kdim, kdim) if c["mode"] != "self" else None
+        self.mha = nn.MultiheadAttention(E, c["H"], dropout=dropout, bias=c["bias"], add_bias_kv=c["bias_kv"],
+                                         add_zero_attn=c["zero_attn"], kdim=kdim, vdim=vdim, batch_first=True)
+        self.register_buffer("fmask", torch.randn(c["L"], c["S"]), persistent=False)
+        self.dims = kdim, vdim
+
+    def forward(self, x):
+        c, L, S = self.c, self.c["L"], self.c["S"]
+        q = torch.tanh(self.pre(x[:, :L, :c["E"]]))
+        if c["mode"] == "self":
+            k = v = q
+            src = x[:, :L]
+        else:
+            src = x[:, L:]
+            k, v = self.kv(src[..., :self.dims[0]]), src[..., :self.dims[1]]
+        kpm = ((src[..., -1] > 0.7) & (torch.arange(S) > 0)) if c["kpm"] else None  # key 0 always attended
+        am = {None: None, "causal": torch.ones(L, S, dtype=torch.bool).triu(1), "float": self.fmask,
+              "float3d": (x[:, :L, :1] * src[..., :1].transpose(1, 2)).repeat_interleave(c["H"], 0)}[c["mask"]]
+        out, w = self.mha(q, k, v, key_padding_mask=kpm, need_weights=c["need"], attn_mask=am,
+                          average_attn_weights=c["avg"], is_causal=c["mask"] == "causal")
+        return torch.cat([out.flatten(1), w.flatten(1)], 1) if c["use_w"] else out
+
+
+def _attn_input(c, B, gen=None):
+    F_ = max(c["E"], c["kdim"], c["vdim"])
+    return torch.randn(B, c["L"] + (0 if c["mode"] == "self" else c["S"]), F_, generator=gen)
+
+
+@settings(deadline=None, max_examples=2 * EXAMPLES)
+@given(c=mha_cases(), clip=clip_st)
+def test_multihead_attention_matches_oracle(c, clip):
+    torch.manual_seed(clip["seed"])
+    model = AttnNet(c)
+    if c["bias_kv"]:
+        with torch.no_grad():
+            model.mha.bias_k.normal_()
+            model.mha.bias_v.normal_()
+    hooks = check_oracle(model, _attn_input(c, clip["B"]), clip, merge={"mha.out_proj": "mha"})
+    assert "mha.out_proj" not in {name for name, _ in hooks}  # owned by the attention rule
+
+
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+def test_transformer_encoder_layer_matches_oracle(clipping):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), nn.Linear(8, 2))
+    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.1, ghost=None, B=3, seed=0)
+    hooks = check_oracle(model, torch.randn(3, 5, 8), clip, merge={"0.self_attn.out_proj": "0.self_attn"})
+    assert ("0.self_attn", "MultiheadAttentionRule") in hooks and len(hooks) == 6
+
+
+def test_multihead_attention_dropout_uses_one_mask_for_forward_and_backward():
+    """With C = ∞ the clipped sum is B × the plain mean gradient, drawn with the same dropout mask (same
+    seed; the rule draws its mask like PyTorch's need_weights path)."""
+    c = dict(H=2, E=4, mode="self", L=5, S=5, mask=None, kpm=False, bias=True, bias_kv=False, zero_attn=False,
+             need=True, use_w=False, avg=True, kdim=4, vdim=4)
+    torch.manual_seed(0)
+    model, x = AttnNet(c, dropout=0.4), _attn_input(c, 3)
+    y = torch.randn(3, 20)
+    torch.manual_seed(7)
+    loss_fn(model(x), y).backward()
+    expected = {n: 3 * p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    engine = PerSampleEngine(model, max_grad_norm=math.inf).attach()
+    torch.manual_seed(7)
+    with engine.micro_batch(batch_size=3):
+        loss_fn(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_multihead_attention_eval_and_refusals():
+    c = dict(H=2, E=4, mode="cross", L=3, S=2, mask=None, kpm=True, bias=True, bias_kv=True, zero_attn=True,
+             need=True, use_w=True, avg=False, kdim=4, vdim=4)
+    model, x = AttnNet(c), _attn_input(c, 2)
+    with torch.no_grad():
+        before = model(x)
+    engine = PerSampleEngine(model).attach()
+    model.eval()  # the engine steps aside: PyTorch's own forward, with every argument of the call
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before)
+    engine.detach()
+    with pytest.raises(UnsupportedLayerError, match="batch_first=False.*batch_first=True"):
+        PerSampleEngine(nn.MultiheadAttention(4, 2)).attach()
+    mha = nn.MultiheadAttention(4, 2, batch_first=True)
+    eng = PerSampleEngine(mha).attach()
+    with eng.micro_batch(batch_size=3):  # every argument by name
+        mha(query=torch.randn(3, 2, 4), key=torch.randn(3, 5, 4), value=torch.randn(3, 5, 4))[0].sum().backward()
+    assert mha.in_proj_weight.grad is not None
+    with eng.micro_batch(batch_size=3), pytest.raises(UnsupportedLayerError, match="same batch size"):
+        mha(torch.randn(3, 2, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4))
+    mha.out_proj.weight = nn.Parameter(torch.empty(0))  # what ZeRO-3 leaves when it did not gather out_proj
+    mha.out_proj.weight.ds_shape = (4, 4)
+    with eng.micro_batch(batch_size=3), pytest.raises(UnsupportedLayerError, match="set_z3_leaf_modules"):
+        mha(*[torch.randn(3, 2, 4)] * 3)
+
+
 # ---------------------------------------------------------------------------------------------- subclasses
 class MyLinear(nn.Linear):
     pass

@@ -5,14 +5,20 @@ libraries, e.g. HuggingFace's ``Conv1D``, so that ``transformers`` is never impo
 subclass of a registered type that overrides none of the rule's ``forward_methods`` (e.g. PyTorch's
 ``NonDynamicallyQuantizableLinear`` or a user's ``class MyLinear(nn.Linear): pass``). A subclass that
 overrides ``forward`` is refused: the rule could not know what it computes.
+
+A rule may own child modules (``owned_children``, e.g. ``MultiheadAttention.out_proj``, whose parameters
+the attention rule clips itself): once the parent has been matched, its children get no rule of their own,
+so no parameter is covered twice. ``named_modules`` lists a parent before its children.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from torch import nn
 
+from .attention import MultiheadAttentionRule
 from .base import LayerRule
 from .conv import ConvRule
 from .embedding import EmbeddingRule
@@ -23,6 +29,7 @@ from .normalization import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNo
 RULES: dict[type, LayerRule] = {}
 #: (module-path prefix, class name) -> rule, for classes of libraries that may be absent
 NAMED_RULES: dict[tuple[str, str], LayerRule] = {}
+_OWNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def register_rule(rule: LayerRule) -> None:
@@ -37,7 +44,7 @@ def register_named_rule(module_prefix: str, class_name: str, rule: LayerRule) ->
 
 
 for _rule in (LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule(), InstanceNormRule(),
-              RMSNormRule()):
+              RMSNormRule(), MultiheadAttentionRule()):
     register_rule(_rule)
 register_named_rule("transformers", "Conv1D", HFConv1DRule())
 
@@ -64,13 +71,19 @@ def _overridden(cls: type, base: type) -> list[str]:
 
 
 def find_rule(module: nn.Module) -> Optional[LayerRule]:
-    """The rule for ``module``, or ``None`` (no rule, or a refused subclass)."""
+    """The rule for ``module``, or ``None`` (no rule, a refused subclass, or a child its parent's rule owns)."""
+    if module in _OWNED:
+        return None
     cls = type(module)
     rule = RULES.get(cls) or _named(cls)
     if rule is None:
         base = _registered_base(cls)
         if base is not None and not _overridden(cls, base):
             rule = RULES[base]
+    if rule is not None:
+        for child in getattr(rule, "owned_children", ()):
+            if isinstance(getattr(module, child, None), nn.Module):
+                _OWNED.add(getattr(module, child))
     return rule
 
 
@@ -80,7 +93,7 @@ def unsupported_reason(module: nn.Module) -> str:
     for key, hint in _HINTS.items():
         if name.startswith(key):
             return hint
-    rule = find_rule(module)
+    rule = None if module in _OWNED else find_rule(module)
     if rule is not None:
         known = {id(p) for p in rule.params(module) if p is not None}
         extra = [n for n, p in module.named_parameters(recurse=False) if id(p) not in known]
