@@ -123,7 +123,7 @@ class PreThen(nn.Module):
         return self.layer(torch.tanh(self.pre(x)))
 
 
-@settings(deadline=None, max_examples=2 * EXAMPLES)
+@settings(deadline=None, max_examples=EXAMPLES + 15)
 @given(case=conv_cases(), clip=clip_st)
 def test_conv_matches_oracle(case, clip):
     torch.manual_seed(clip["seed"])
@@ -308,7 +308,7 @@ def _attn_input(c, B, gen=None):
     return torch.randn(B, c["L"] + (0 if c["mode"] == "self" else c["S"]), F_, generator=gen)
 
 
-@settings(deadline=None, max_examples=2 * EXAMPLES)
+@settings(deadline=None, max_examples=EXAMPLES + 15)
 @given(c=mha_cases(), clip=clip_st)
 def test_multihead_attention_matches_oracle(c, clip):
     torch.manual_seed(clip["seed"])
