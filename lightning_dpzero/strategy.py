@@ -153,6 +153,10 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
                                               self.gamma, self.loss_reduction, groups=patterns,
                                               group_max_grad_norms=self.group_max_grad_norms)
             self.per_sample.attach()
+            if self.zero_stage == 3 and self.per_sample.zero3_leaf_types:
+                from deepspeed.utils import set_z3_leaf_modules
+
+                set_z3_leaf_modules(self.model, self.per_sample.zero3_leaf_types)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             if self.clipping_groups == "param_groups":

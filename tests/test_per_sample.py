@@ -73,7 +73,7 @@ def test_unclipped_equals_sum_of_gradients():
 
 def test_batchnorm_refused_by_name():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
-    with pytest.raises(UnsupportedLayerError, match=r"'1.weight'.*BatchNorm2d.*GroupNorm"):
+    with pytest.raises(UnsupportedLayerError, match=r"BatchNorm2d '1'.*GroupNorm"):
         PerSampleEngine(model).attach()
 
 
@@ -168,3 +168,12 @@ def test_frozen_parameters_cost_nothing_and_stay_untouched():
         nn.functional.cross_entropy(model(torch.randint(0, 11, (3, 5))), torch.tensor([0, 1, 2])).backward()
     assert model.emb.weight.grad is None and model.head.bias.grad is None
     assert model.head.weight.grad is not None
+
+
+@pytest.mark.parametrize("layer", [nn.BatchNorm1d(8, affine=False), nn.InstanceNorm1d(8, track_running_stats=True)])
+def test_frozen_batch_mixing_or_running_stat_layers_are_refused(layer):
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    model = nn.Sequential(nn.Linear(4, 8), layer)
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)even frozen.*(GroupNorm|track_running_stats=False)"):
+        PerSampleEngine(model).attach()

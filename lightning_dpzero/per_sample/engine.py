@@ -86,6 +86,7 @@ class PerSampleEngine:
         form the clipping groups."""
         if self.hooks:
             return self
+        self._check_batch_mixing()
         covered: set[int] = set()
         for name, mod in self.module.named_modules():
             rule = find_rule(mod)
@@ -106,6 +107,29 @@ class PerSampleEngine:
         if self.clipping != "group-wise" or self._group_spec is not None:
             self.set_groups(self._group_spec, self._group_norms)
         return self
+
+    def _check_batch_mixing(self) -> None:
+        """Refuse layers whose training forward is not per-example, trainable or not (DESIGN I5)."""
+        bad = []
+        for name, mod in self.module.named_modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                bad.append(f"{type(mod).__name__} '{name}': its training forward normalises with statistics of the "
+                           "whole batch, so one example changes every other example's gradient; use GroupNorm or "
+                           "LayerNorm")
+            elif getattr(mod, "track_running_stats", False):
+                bad.append(f"{type(mod).__name__} '{name}': track_running_stats=True keeps running statistics of the "
+                           "private data without noise in the released model; construct it with "
+                           "track_running_stats=False")
+        if bad:
+            raise UnsupportedLayerError("Differential privacy cannot be guaranteed with these layers, even frozen:\n"
+                                        "  - " + "\n  - ".join(bad))
+
+    @property
+    def zero3_leaf_types(self) -> list[type]:
+        """Module types whose rule reads child modules' weights without calling them (e.g. attention's
+        ``out_proj``): ZeRO-3 must gather them as one leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
+        return sorted({type(h.module) for h in self.hooks if getattr(h.rule, "owned_children", ())},
+                      key=lambda t: t.__name__)
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]  # tied: first name
