@@ -1,12 +1,20 @@
-"""``PrivacyAccountantCallback``: calibrates σ from a target ε, logs the spend, keeps the ledger (DESIGN §5)."""
+"""``PrivacyAccountantCallback``: calibrates σ from a target ε, logs the spend, keeps the ledger and stops
+training before the budget would be exceeded (DESIGN §5)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .accounting import EpsilonTracker, PrivacyLedger
+from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
+
+__all__ = ["PrivacyAccountantCallback", "PrivacyBudgetExceeded"]
+
+_ON_EXHAUSTED = ("stop", "raise")
 
 
 class PrivacyAccountantCallback(Callback):
@@ -14,30 +22,56 @@ class PrivacyAccountantCallback(Callback):
 
     Args:
         target_epsilon: ε budget. If given, σ is calibrated before the first step so that ε(σ) over the
-            planned steps is at most this (and within 1% of it); an explicit σ that exceeds it is an error.
+            planned steps is at most this (and within 1% of it); an explicit σ that exceeds it over a bounded
+            run (``max_steps`` / ``max_epochs``) is an error before training. During training no optimizer
+            step is ever taken that would make the exact ε of the ledger exceed it (see
+            ``on_budget_exhausted``); this matters for unbounded runs, resumed runs whose plan changed, and
+            anything else the up-front check cannot foresee.
         delta: δ of the (ε, δ) guarantee (default 1e-5; keep it well below 1/N).
         accountant: ``"pld"`` (privacy loss distributions, tight; default) or ``"rdp"`` (Rényi DP).
+        on_budget_exhausted: what to do when the next optimizer step would exceed ``target_epsilon``:
+            ``"stop"`` (default) ends training cleanly after the last step that fits (``trainer.should_stop``,
+            as early stopping does; checkpoints and ``on_train_end`` run as usual) with a message on rank 0;
+            ``"raise"`` raises :class:`PrivacyBudgetExceeded` before that step's first micro-batch. If
+            ``min_steps``/``min_epochs`` prevent the stop, the step is refused by raising as well.
+        log_second_accountant: also log ε by the other accountant (``epsilon_rdp`` when ``accountant="pld"``,
+            ``epsilon_pld`` when ``accountant="rdp"``); the budget is always judged by ``accountant``.
 
     After every optimizer step it logs ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and
-    ``dp_steps`` (plus ``clip_fraction`` and ``mean_grad_norm``) with ``self.log``, so any Lightning logger
-    records them. Its state (saved in every checkpoint) is the ledger.
+    ``dp_steps`` (plus ``clip_fraction`` and ``mean_grad_norm`` over all ranks' examples of that step) with
+    ``self.log``, so any Lightning logger records them. Every rank computes and logs the same values (no
+    ``sync_dist``, so no collective per metric; every rank's ``trainer.callback_metrics`` agree, so a
+    ``ModelCheckpoint``/``EarlyStopping`` monitoring ``epsilon`` decides alike everywhere). The logged ε is the
+    tracker's upper bound (at most ~2% above the exact value); :meth:`epsilon` gives the exact one. ε is
+    0 before the first step, nothing is logged during the sanity check, and with σ = 0 it is ``inf``.
+    Its state (saved in every checkpoint) is the ledger.
 
     Raises:
         TypeError: the trainer's strategy is not a DPDeepSpeedStrategy.
-        ValueError: bad target_epsilon / delta / accountant.
+        ValueError: bad target_epsilon / delta / accountant / on_budget_exhausted.
+        PrivacyBudgetExceeded: ``on_budget_exhausted="raise"`` and the next step would exceed the budget.
     """
 
-    def __init__(self, target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld"):
-        if target_epsilon is not None and not target_epsilon > 0:
-            raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}.")
+    def __init__(self, target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld",
+                 on_budget_exhausted: str = "stop", log_second_accountant: bool = False):
+        if target_epsilon is not None and not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}; typical is 1e-5 or below 1/N.")
         if accountant not in ("pld", "rdp"):
             raise ValueError(f"accountant={accountant!r}; use 'pld' or 'rdp'.")
+        if on_budget_exhausted not in _ON_EXHAUSTED:
+            raise ValueError(f"on_budget_exhausted={on_budget_exhausted!r}; use 'stop' (end training after the "
+                             "last step within the budget) or 'raise' (raise PrivacyBudgetExceeded).")
         self.target_epsilon, self.delta, self.accountant = target_epsilon, delta, accountant
+        self.on_budget_exhausted = on_budget_exhausted
+        self.log_second_accountant = bool(log_second_accountant)
         self._tracker = EpsilonTracker()
+        self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
         self._logged_steps = -1
         self._strategy = None
+        self._next_step_allowed = True   # agreed by all ranks at the last accumulation boundary
+        self.budget_exhausted = False    # True once the budget stopped (or refused) a step
 
     @property
     def state_key(self) -> str:
@@ -56,35 +90,120 @@ class PrivacyAccountantCallback(Callback):
     def ledger(self) -> Optional[PrivacyLedger]:
         return self._strategy.ledger if self._strategy is not None else None
 
-    def epsilon(self, exact: bool = True) -> float:
-        """ε spent so far at this callback's δ (0.0 before the first step)."""
+    def epsilon(self, exact: bool = True, accountant: Optional[str] = None) -> float:
+        """ε spent so far at this callback's δ (0.0 before the first step, ``inf`` if σ = 0 was used), by
+        ``accountant`` (default: the callback's). ``exact=False``: the tracker's cheap upper bound."""
         ledger = self.ledger
         if ledger is None or ledger.steps == 0:
             return 0.0
-        return self._tracker.epsilon(ledger, exact=exact)
+        return self._tracker.epsilon(ledger, exact=exact, accountant=accountant)
 
+    @property
+    def second_accountant(self) -> str:
+        return "rdp" if self.accountant == "pld" else "pld"
+
+    # ---------------------------------------------------------------------------------------------- budget
+    def _budget_allows_next_step(self) -> bool:
+        """This rank's answer: does the ledger stay within target_epsilon after the plan's next step?"""
+        ledger, plan = self.ledger, self._strategy.plan if self._strategy is not None else None
+        if self._guard is None or ledger is None or plan is None:
+            return True
+        return self._guard.allows_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
+
+    def _exhausted_message(self, trainer) -> str:
+        ledger, plan = self.ledger, self._strategy.plan
+        after = self._guard.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier,
+                                                    plan.sampler_kind)
+        planned = f" of the planned {plan.planned_steps}" if plan.planned_steps else ""
+        return (f"Privacy budget exhausted: after {ledger.steps}{planned} optimizer steps ε = "
+                f"{self.epsilon():.6g} ({self.accountant}, δ = {self.delta:g}); one more step (q = "
+                f"{plan.sample_rate:.6g}, σ = {plan.noise_multiplier:.6g}) would make ε = {after:.6g} > "
+                f"target_epsilon = {self.target_epsilon:g}.")
+
+    @staticmethod
+    def _run_would_continue(trainer) -> bool:
+        """False when the trainer ends anyway after this batch (max_steps reached, or last batch of the last
+        epoch): then there is nothing to stop and no message."""
+        if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+            return False
+        loop = trainer.fit_loop
+        last_epoch = (loop.max_epochs is not None and loop.max_epochs >= 0
+                      and trainer.current_epoch + 1 >= loop.max_epochs)
+        return not (last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
+
+    def _decide(self, trainer, stats: Optional[list[float]] = None) -> Optional[list[float]]:
+        """At an accumulation boundary (or before the first step): agree over ranks whether the next step
+        fits, and reduce this step's clipping statistics in the same collective. Returns the summed stats."""
+        local = [] if stats is None else list(stats)
+        refuse = 0.0 if self._budget_allows_next_step() else 1.0
+        if trainer.world_size > 1:
+            # every rank reaches the same boundaries; one small all-reduce keeps ranks from ever disagreeing
+            t = torch.tensor(local + [refuse], dtype=torch.float64, device=trainer.strategy.root_device)
+            t = trainer.strategy.reduce(t, reduce_op="sum")
+            values = t.cpu().tolist()
+            local, refuse = values[:-1], values[-1]
+        self._next_step_allowed = refuse == 0
+        if not self._next_step_allowed and self.on_budget_exhausted == "stop" and self._run_would_continue(trainer):
+            if not self.budget_exhausted:
+                rank_zero_info(self._exhausted_message(trainer) + " Stopping training (on_budget_exhausted='stop').")
+            self.budget_exhausted = True
+            trainer.should_stop = True
+        return local
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._logged_steps = self.ledger.steps if self.ledger is not None else -1
+        self._decide(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._next_step_allowed:
+            return
+        self.budget_exhausted = True
+        message = self._exhausted_message(trainer)
+        if self.on_budget_exhausted == "stop":
+            message += (f" Training was asked to stop, but Trainer(min_steps={trainer.fit_loop.min_steps}, "
+                        f"min_epochs={trainer.fit_loop.min_epochs}) keeps it going; refusing the step. Lower "
+                        "min_steps/min_epochs or raise target_epsilon.")
+        else:
+            message += " Refusing the step (on_budget_exhausted='raise')."
+        raise PrivacyBudgetExceeded(message)
+
+    # ---------------------------------------------------------------------------------------------- logging
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         ledger, strategy = self.ledger, self._strategy
-        if ledger is None or ledger.steps == self._logged_steps:
+        if trainer.sanity_checking or ledger is None or ledger.steps == self._logged_steps:
             return
         self._logged_steps = ledger.steps
         plan = strategy.plan
         stats = strategy.per_sample.stats
+        local = [float(stats["examples"]), float(stats["clipped"]), float(stats["norm_sum"])]
+        strategy.per_sample.reset_stats()
+        examples, clipped, norm_sum = self._decide(trainer, local)
         metrics = {
-            "epsilon": self.epsilon(exact=False),
+            # the tracker's bound; with a budget, never above the target while within it
+            "epsilon": (self._guard.epsilon_upper_bound(ledger) if self._guard is not None
+                        else self.epsilon(exact=False)),
             "delta": self.delta,
             "noise_multiplier": plan.noise_multiplier,
             "sample_rate": plan.sample_rate,
             "dp_steps": float(ledger.steps),
         }
-        if stats["examples"]:
-            metrics["clip_fraction"] = stats["clipped"] / stats["examples"]
-            metrics["mean_grad_norm"] = stats["norm_sum"] / stats["examples"]
-        strategy.per_sample.reset_stats()
+        if self.log_second_accountant:
+            metrics[f"epsilon_{self.second_accountant}"] = self.epsilon(exact=False,
+                                                                        accountant=self.second_accountant)
+        if examples:
+            metrics["clip_fraction"] = clipped / examples
+            metrics["mean_grad_norm"] = norm_sum / examples
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "epsilon",
-                          batch_size=1, sync_dist=False)
+                          batch_size=1, sync_dist=False, rank_zero_only=False)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.budget_exhausted and self.on_budget_exhausted == "stop":
+            rank_zero_info(f"Training stopped by the privacy budget after {self.ledger.steps} optimizer steps: "
+                           f"ε = {self.epsilon():.6g} <= target_epsilon = {self.target_epsilon:g} "
+                           f"(δ = {self.delta:g}).")
+
+    # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         ledger = self.ledger
         return {"ledger": ledger.to_dict() if ledger is not None else None, "delta": self.delta,

@@ -63,19 +63,21 @@ class PrivacyPlan:
             planned = trainer.max_epochs * steps_per_epoch
         sigma = strategy.noise_multiplier
         if target is not None:
-            if planned is None:
+            if planned is None and sigma is None:
                 raise ValueError("target_epsilon needs a bounded run to calibrate σ: set Trainer(max_steps=...) "
-                                 "or Trainer(max_epochs=...).")
+                                 "or Trainer(max_epochs=...), or pass an explicit noise_multiplier (training then "
+                                 "stops when the budget is spent).")
             if sigma is None:
                 sigma = calibrate_noise_multiplier(target, delta, q, planned, accountant)
                 strategy.noise_multiplier = sigma
-            else:
+            elif planned is not None:
                 eps = epsilon_for(sigma, delta, q, planned, accountant)
                 if eps > target:
+                    fits = _steps_within(target, delta, q, sigma, accountant)
                     raise ValueError(
                         f"noise_multiplier={sigma} gives ε={eps:.3g} > target_epsilon={target} after the planned "
-                        f"{planned} steps (q={q:.4g}, δ={delta}). Remove noise_multiplier to calibrate it, "
-                        "raise it, or train fewer steps.")
+                        f"{planned} steps (q={q:.4g}, δ={delta}); only {fits} steps fit in the budget. Remove "
+                        "noise_multiplier to calibrate it, raise it, or train at most that many steps.")
         if sigma is None:
             raise ValueError("No noise multiplier: pass DPDeepSpeedStrategy(noise_multiplier=σ) or add "
                              "PrivacyAccountantCallback(target_epsilon=..., delta=...) to calibrate σ.")
@@ -87,3 +89,12 @@ class PrivacyPlan:
         return cls(dataset_size=n, sample_rate=q, expected_batch_size=q * n, noise_multiplier=float(sigma),
                    delta=delta, planned_steps=planned, sampler_kind=loader.batch_sampler.sampler_kind,
                    accountant=accountant, target_epsilon=target)
+
+
+def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str) -> int:
+    """Steps (q, σ) that fit in ε ≤ target (for messages)."""
+    from .accounting import BudgetGuard, PrivacyLedger
+
+    if sigma == 0:
+        return 0
+    return BudgetGuard(target).steps_within_budget(PrivacyLedger(delta, 1, accountant), q, sigma)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 __all__ = ["DistributedPoissonBatchSampler", "DistributedShuffledBatchSampler", "empty_safe_collate",
-           "private_dataloader", "poisson_sample_rate", "dataset_size"]
+           "private_dataloader", "poisson_sample_rate", "dataset_size", "check_sampler_describable"]
 
 
 def _check_int(name: str, value: Any, low: int, fix: str) -> int:
@@ -238,6 +238,64 @@ def dataset_size(dataloader: DataLoader) -> int:
     if n < 1:
         raise ValueError("DP accounting needs the training set's size N; the training dataset is empty.")
     return int(n)
+
+
+def _describe_sampler(sampler: Any) -> tuple[Any, bool]:
+    """(the sampler to name, whether it is one the DP sampler may replace). Lightning wraps a user's custom
+    sampler in ``DistributedSamplerWrapper`` (a ``DistributedSampler`` over ``_DatasetSamplerWrapper``)."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    try:
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    except ImportError:  # pragma: no cover
+        DistributedSamplerWrapper = ()  # type: ignore[assignment]
+    if DistributedSamplerWrapper and isinstance(sampler, DistributedSamplerWrapper):
+        inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+        return _describe_sampler(inner) if inner is not None else (sampler, False)
+    # exact types: a subclass may draw examples differently (weights, subsets, repeats, curricula)
+    return sampler, type(sampler) in (RandomSampler, SequentialSampler, DistributedSampler)
+
+
+def check_sampler_describable(dataloader: DataLoader) -> None:
+    """Refuse a training DataLoader whose sampling the privacy accountant cannot describe.
+
+    The DP strategy replaces the loader's sampling by Poisson sampling (each example joins each step
+    independently with probability q), which is what the accountant charges. That is only a faithful
+    replacement of plain shuffled or sequential batches: PyTorch's ``RandomSampler`` / ``SequentialSampler``
+    with its ``BatchSampler``, or the ``DistributedSampler`` Lightning injects for them. A custom sampler or
+    batch sampler (weighted, subset, bucketing, curriculum, ...) says which examples to train on and how often;
+    silently dropping it would change the training, and keeping it would invalidate the accounting.
+
+    Raises:
+        ValueError: naming the sampler's class and the fix (remove it and let the DP strategy sample).
+    """
+    from torch.utils.data import BatchSampler
+
+    if isinstance(getattr(dataloader, "dataset", None), IterableDataset):
+        return  # no sampler at all; `dataset_size` refuses it with its own message
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if batch_sampler is not None and not isinstance(batch_sampler, _ShardedBatchSampler) \
+            and type(batch_sampler) is not BatchSampler:
+        cls = type(batch_sampler)
+        raise ValueError(
+            f"The training DataLoader uses the custom batch sampler {cls.__module__}.{cls.__qualname__}, whose "
+            "sampling the privacy accountant cannot describe. Remove batch_sampler=... and build the DataLoader "
+            "with batch_size=B (the per-device micro-batch): the DP strategy replaces sampling with Poisson "
+            "sampling (q = B x devices x accumulate_grad_batches / N), which is what the privacy ledger charges.")
+    if isinstance(batch_sampler, _ShardedBatchSampler):
+        return  # already private
+    sampler, ok = _describe_sampler(getattr(dataloader, "sampler", None))
+    if sampler is None or ok:
+        return
+    cls = type(sampler)
+    raise ValueError(
+        f"The training DataLoader uses the custom sampler {cls.__module__}.{cls.__qualname__}, whose sampling the "
+        "privacy accountant cannot describe (it would be replaced, changing which examples are trained on, or "
+        "kept, invalidating ε). Remove sampler=... (use shuffle=True or nothing): the DP strategy replaces "
+        "sampling with Poisson sampling over the whole dataset (each example in each step with probability q), "
+        "which is what the privacy ledger charges. To train on a subset, pass a torch.utils.data.Subset as the "
+        "dataset so that N is its size.")
 
 
 def poisson_sample_rate(batch_size: int, num_replicas: int, accumulate_grad_batches: int,

@@ -89,7 +89,9 @@ def run_case(case, out_dir, devices):
     L.seed_everything(case.get("init_seed", 0), verbose=False)
     module = Module(case)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
-    callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=1e-5)]
+    callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=1e-5,
+                                           on_budget_exhausted=case.get("on_budget_exhausted", "stop"),
+                                           log_second_accountant=case.get("log_second_accountant", False))]
     if case.get("stop_at"):
         callbacks.append(StopAt(case["stop_at"]))
     strategy = DPDeepSpeedStrategy(
@@ -99,6 +101,7 @@ def run_case(case, out_dir, devices):
         seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
+        max_epochs=case.get("max_epochs"),  # -1 with steps=-1: unbounded (the privacy budget stops it)
         accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0)
@@ -111,6 +114,9 @@ def run_case(case, out_dir, devices):
     with open(os.path.join(out_dir, f"{name}.seen{rank}.json"), "w") as f:
         json.dump(module.seen, f)
     torch.save(final, os.path.join(out_dir, f"{name}.final{rank}.pt"))
+    if case.get("record_metrics"):  # every rank: the logged DP metrics, to compare across ranks
+        with open(os.path.join(out_dir, f"{name}.metrics{rank}.json"), "w") as f:
+            json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, f)
     if rank == 0:
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),

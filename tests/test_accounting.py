@@ -331,3 +331,68 @@ def test_tracker_rdp_and_delta_override():
     assert tr.epsilon(led, delta=1e-7) >= led.epsilon(delta=1e-7)
     with pytest.raises(ValueError, match="growth"):
         EpsilonTracker(growth=1.0)
+
+
+# ------------------------------------------------------------------ budget
+from lightning_dpzero.accounting import BudgetGuard  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["pld", "rdp"])
+def test_budget_guard_is_exact_step_by_step(kind):
+    """Charging while the guard allows ends exactly at the last step with epsilon <= target."""
+    prefix = [(0.05, 1.5, 7)]
+    q, sigma, target = 0.02, 1.1, 1.6
+    led = PrivacyLedger(1e-5, 1000, accountant=kind)
+    led.charge(*prefix[0][:2], steps=prefix[0][2])
+    guard = BudgetGuard(target)
+    n0 = guard.steps_within_budget(led, q, sigma)
+    assert n0 > 60  # beyond the tracker's exact_below: its grid is in play
+    # the largest count that fits, by the independent accountant
+    assert _reference(prefix + [(q, sigma, n0)], 1e-5, kind) <= target
+    assert _reference(prefix + [(q, sigma, n0 + 1)], 1e-5, kind) > target
+    led.charge(q, sigma, steps=n0 - 3)
+    while guard.allows_next_step(led, q, sigma):
+        led.charge(q, sigma)
+    assert led.steps == 7 + n0
+    assert led.epsilon() <= target < _reference(prefix + [(q, sigma, n0 + 1)], 1e-5, kind)
+    assert guard.epsilon_after_next_step(led, q, sigma) == pytest.approx(
+        _reference(prefix + [(q, sigma, n0 + 1)], 1e-5, kind), rel=1e-12)
+    assert guard.steps_within_budget(led, q, sigma) == 0
+
+
+def test_budget_guard_cheap_and_consistent_with_merging():
+    guard = BudgetGuard(8.0)
+    led = PrivacyLedger(1e-5, 60_000)
+    led.charge(0.004, 0.8, steps=40_000)
+    t0 = time.perf_counter()
+    fits = guard.steps_within_budget(led, 0.004, 0.8)
+    assert compute_epsilon([LedgerEntry(0.004, 0.8, 40_000 + fits)], 1e-5) <= 8.0
+    assert compute_epsilon([LedgerEntry(0.004, 0.8, 40_000 + fits + 1)], 1e-5) > 8.0
+    evaluations = guard.exact_evaluations
+    assert evaluations <= 40
+    for _ in range(1000):  # later questions are answered from the cached limit
+        assert guard.allows_next_step(led, 0.004, 0.8)
+    assert guard.exact_evaluations == evaluations
+    assert time.perf_counter() - t0 < 30
+    # the bound to log never shows more than the target while the ledger is within it
+    full = PrivacyLedger(1e-5, 60_000)
+    full.charge(0.004, 0.8, steps=40_000 + fits)
+    assert full.epsilon() <= guard.epsilon_upper_bound(full) <= 8.0 < EpsilonTracker().epsilon(full)
+    # another sampler or sigma opens a new entry: the guard asks about that ledger, not the merged one
+    assert guard.steps_within_budget(led, 0.004, 0.8, sampler="shuffle") == fits
+
+
+def test_budget_guard_sigma_zero_and_overspent_ledger():
+    guard = BudgetGuard(1.0)
+    led = PrivacyLedger(1e-5, 100)
+    assert not guard.allows_next_step(led, 0.1, 0.0)
+    assert guard.epsilon_after_next_step(led, 0.1, 0.0) == math.inf
+    assert guard.steps_within_budget(led, 0.1, 0.0) == 0
+    led.charge(0.5, 0.3, steps=5)  # already far over 1.0
+    assert led.epsilon() > 1.0
+    assert not guard.allows_next_step(led, 0.01, 5.0) and guard.steps_within_budget(led, 0.01, 5.0) == 0
+    led0 = PrivacyLedger(1e-5, 100)
+    led0.charge(0.1, 0.0)
+    assert not BudgetGuard(100.0).allows_next_step(led0, 0.1, 1.0)
+    with pytest.raises(ValueError, match="target_epsilon"):
+        BudgetGuard(0.0)

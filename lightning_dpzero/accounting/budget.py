@@ -1,0 +1,171 @@
+"""The privacy budget: may one more step (q, sigma) be charged without epsilon exceeding a target?
+
+Used by :class:`~lightning_dpzero.PrivacyAccountantCallback` before every optimizer step. Epsilon is that
+of the ledger *with the next step charged*, computed by dp-accounting (see :mod:`.accountants`). The
+question is answered cheaply:
+
+1. the :class:`~.accountants.EpsilonTracker` upper bound (cached at a grid of step counts) -- if the bound
+   is within the target, the exact value is too;
+2. only when the bound is over the target: the exact largest step count of the growing run that keeps
+   epsilon within the target is found once by bisection on exact values (about log2 of 2 % of the steps
+   evaluations) and cached, so every later question is a comparison.
+
+The answer is exact: a step is allowed if and only if the exact epsilon (``PrivacyLedger.epsilon()``) of the
+ledger after charging it is at most the target. This relies, like the tracker, on epsilon being
+non-decreasing in the number of composed steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .accountants import EpsilonTracker, _as_runs, _check_accountant, _check_delta, _epsilon_of_runs
+from .ledger import LedgerEntry
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """Charging the next optimizer step would make epsilon exceed the run's ``target_epsilon``."""
+
+
+@dataclass
+class _Hypothetical:
+    """A ledger-like view (what ``EpsilonTracker.epsilon`` reads): entries, delta, accountant."""
+
+    entries: list
+    delta: float
+    accountant: str
+
+
+class BudgetGuard:
+    """Answers "does the ledger stay within ``target_epsilon`` after one more step (q, sigma)?".
+
+    Args:
+        target_epsilon: the budget, > 0.
+        tracker: the :class:`EpsilonTracker` whose upper bounds are tried first (shared with the caller's
+            logging, so the same grid evaluations serve both); a new one if None.
+
+    Methods take the ledger (``entries``, ``delta``, ``accountant``) and the next step's (q, sigma, sampler),
+    as :meth:`PrivacyLedger.charge` would record it.
+    """
+
+    def __init__(self, target_epsilon: float, tracker: Optional[EpsilonTracker] = None):
+        target_epsilon = float(target_epsilon)
+        if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+        self.target_epsilon = target_epsilon
+        self.tracker = tracker if tracker is not None else EpsilonTracker()
+        self._limits: dict = {}   # (prefix runs, q, sigma, delta, accountant) -> largest allowed count
+        self._limit_eps: dict = {}  # same key -> exact epsilon at that count (<= target)
+        self.exact_evaluations = 0
+
+    # ------------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _split(ledger, q: float, sigma: float, sampler: str):
+        """(prefix runs, count of the growing run after the next step), as ``ledger.charge`` would merge."""
+        entries = list(ledger.entries)
+        last = entries[-1] if entries else None
+        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler) == (q, sigma, sampler):
+            return _as_runs(entries[:-1]), last.steps + 1
+        return _as_runs(entries), 1
+
+    def _exact(self, prefix: tuple, q: float, sigma: float, n: int, delta: float, accountant: str) -> float:
+        self.exact_evaluations += 1
+        runs = prefix + ((q, sigma, n),) if n > 0 else prefix
+        return _epsilon_of_runs(runs, delta, accountant, self.tracker.value_discretization_interval)
+
+    def _bound(self, prefix: tuple, q: float, sigma: float, n: int, delta: float, accountant: str) -> float:
+        entries = [LedgerEntry(pq, ps, pn) for pq, ps, pn in prefix] + [LedgerEntry(q, sigma, n)]
+        return self.tracker.epsilon(_Hypothetical(entries, delta, accountant))
+
+    def _find_limit(self, key, n_next) -> int:
+        """Largest count m of the growing run with exact epsilon(prefix + m steps) <= target, knowing that
+        epsilon at the tracker grid point g >= n_next is over the target (so m < g); cached under ``key``."""
+        prefix, q, sigma, delta, accountant = key
+        target = self.target_epsilon
+        g = self.tracker.grid_point(n_next)
+        e0 = self._exact(prefix, q, sigma, 0, delta, accountant)
+        if e0 > target:  # the ledger is already over budget: no step of this run is allowed
+            self._limits[key], self._limit_eps[key] = 0, e0
+            return 0
+        lo, hi, e_lo = 0, g, e0  # invariant: eps(lo) = e_lo <= target < eps(hi)
+        if n_next - 1 > 0:
+            e = self._exact(prefix, q, sigma, n_next - 1, delta, accountant)
+            if e <= target:
+                lo, e_lo = n_next - 1, e
+            else:
+                hi = n_next - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            e = self._exact(prefix, q, sigma, mid, delta, accountant)
+            if e <= target:
+                lo, e_lo = mid, e
+            else:
+                hi = mid
+        self._limits[key], self._limit_eps[key] = lo, e_lo
+        return lo
+
+    # ------------------------------------------------------------------------------------------ API
+    def allows_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
+                         sampler: str = "poisson") -> bool:
+        """True iff the exact epsilon of ``ledger`` with one more step (q, sigma) charged is <= target."""
+        q, sigma = float(sample_rate), float(noise_multiplier)
+        delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
+        prefix, n_next = self._split(ledger, q, sigma, sampler)
+        if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
+            return False  # epsilon is infinite
+        key = (prefix, q, sigma, delta, accountant)
+        limit = self._limits.get(key)
+        if limit is not None:
+            return n_next <= limit
+        if self._bound(prefix, q, sigma, n_next, delta, accountant) <= self.target_epsilon:
+            return True
+        return n_next <= self._find_limit(key, n_next)
+
+    def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
+                                sampler: str = "poisson") -> float:
+        """Exact epsilon of ``ledger`` with one more step (q, sigma) charged (``inf`` for sigma = 0)."""
+        q, sigma = float(sample_rate), float(noise_multiplier)
+        prefix, n_next = self._split(ledger, q, sigma, sampler)
+        if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
+            return math.inf
+        return self._exact(prefix, q, sigma, n_next, _check_delta(ledger.delta),
+                           _check_accountant(ledger.accountant))
+
+    def steps_within_budget(self, ledger, sample_rate: float, noise_multiplier: float,
+                            sampler: str = "poisson") -> int:
+        """How many more steps (q, sigma) can be charged to ``ledger`` with epsilon staying <= target."""
+        q, sigma = float(sample_rate), float(noise_multiplier)
+        delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
+        prefix, n_next = self._split(ledger, q, sigma, sampler)
+        if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
+            return 0
+        key = (prefix, q, sigma, delta, accountant)
+        limit = self._limits.get(key)
+        if limit is None:
+            # grow a bracket on the tracker grid until its (exact, grid-point) value is over the target
+            n = n_next
+            while self._bound(prefix, q, sigma, n, delta, accountant) <= self.target_epsilon:
+                n = max(n + 1, self.tracker.grid_point(int(n * 1.5) + 1))
+                if n > 10**9:
+                    raise ValueError("more than 1e9 steps fit in the budget; is the noise multiplier sensible?")
+            limit = self._find_limit(key, n)
+        return max(limit - (n_next - 1), 0)
+
+    def epsilon_upper_bound(self, ledger) -> float:
+        """An upper bound on the ledger's exact epsilon that never exceeds the target while the ledger is
+        within it: the tracker's bound, tightened to the exact epsilon at the largest step count that fits
+        once that count is known (epsilon is non-decreasing in steps). This is what gets logged, so a run
+        stopped by the budget never shows an epsilon above its target."""
+        delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
+        runs = _as_runs(ledger.entries)
+        if not runs:
+            return 0.0
+        bound = self.tracker.epsilon(ledger)
+        q, sigma, n = runs[-1]
+        key = (runs[:-1], q, sigma, delta, accountant)
+        limit = self._limits.get(key)
+        if limit is not None and n <= limit:
+            return min(bound, self._limit_eps[key])
+        return bound
