@@ -22,6 +22,11 @@ import time
 import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "unable to detect a GPU" notice from DeepSpeed on the CPU
+if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+    # DeepSpeed JIT-compiles its CPU shared-memory collective op on first use, into a cache shared by every
+    # Python environment of this user: two virtual environments used in turn (or at once) rebuild it each
+    # time, tens of seconds on 2 cores, and race on the same files. One cache per virtual environment.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import lightning as L
 import torch
