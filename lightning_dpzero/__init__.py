@@ -7,7 +7,7 @@ Importing the package registers the strategies ``dp_deepspeed``, ``dp_deepspeed_
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .accounting import PrivacyLedger, calibrate_noise_multiplier
-from .callback import PrivacyAccountantCallback
+from .callback import PrivacyAccountantCallback, PrivacyBudgetExceeded
 from .per_sample import PerSampleEngine, UnsupportedLayerError
 from .sampling import DistributedPoissonBatchSampler
 from .strategy import DPDeepSpeedStrategy
@@ -15,5 +15,5 @@ from .strategy import DPDeepSpeedStrategy
 DPDeepSpeedStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["DPDeepSpeedStrategy", "PrivacyAccountantCallback", "PrivacyLedger", "PerSampleEngine",
+__all__ = ["DPDeepSpeedStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
            "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier"]

@@ -34,7 +34,7 @@ from .noise import NoiseSource, make_noise_pre_hook
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping
 from .privacy_plan import PrivacyPlan
-from .sampling import dataset_size, poisson_sample_rate, private_dataloader
+from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
 
 LEDGER_FILE = "privacy_ledger.json"
 LEDGER_KEY = "privacy_ledger"
@@ -221,6 +221,7 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.per_sample is None:
             return super().process_dataloader(dataloader)
         n = dataset_size(dataloader)
+        check_sampler_describable(dataloader)
         batch_size = getattr(dataloader, "batch_size", None)
         if batch_size is None:
             raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
