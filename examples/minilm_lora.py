@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 HERE = Path(__file__).resolve().parent
 DEFAULT_TEXT = HERE / "data" / "tinyshakespeare.txt"
 DEFAULT_CONFIG = HERE / "configs" / "minilm_lora.yaml"
+FULL_FINETUNE_LR = 5e-4  # what `--full-finetune` uses unless --model.lr is given
 
 
 def model_dir() -> str:
@@ -156,7 +157,7 @@ class MiniLMClassifier(L.LightningModule):
 
     def __init__(self, num_classes: int = 5, full_finetune: bool = False, lora_r: int = 8, lora_alpha: int = 16,
                  lora_dropout: float = 0.0, lora_targets: Sequence[str] = ("query", "value"),
-                 lr: float = 5e-3, weight_decay: float = 0.0) -> None:
+                 lr: float = 3e-3, weight_decay: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         from transformers import AutoModel
@@ -235,8 +236,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_dpzero.cli import main as cli_main
 
     args = sys.argv[1:] if argv is None else list(argv)
-    if "--full-finetune" in args:
+    if "--full-finetune" in args:  # every weight trains; a smaller learning rate than the adapters' unless given
         args = [a for a in args if a != "--full-finetune"] + ["--model.full_finetune=true"]
+        if not any(a.startswith("--model.lr") for a in args):
+            args.append(f"--model.lr={FULL_FINETUNE_LR}")
     return cli_main(["fit", "--config", str(DEFAULT_CONFIG), *args])
 
 

@@ -160,7 +160,7 @@ def test_minilm_lora_yaml_with_strategy_class_path(tmp_path):
     assert 7.9 <= eps <= 8.0 and delta == 1e-5
     assert int(m.group(5)) == 6 * 2 * (8 * 384 + 384 * 8) + 384 * 5 + 5  # adapters + head only
     hparams = (csv_log_dir(tmp_path) / "hparams.yaml").read_text()
-    assert "clipping: layer-wise" in hparams
+    assert "clipping: all-layer" in hparams and "sample_rate" in hparams  # the init_args reached the strategy
 
 
 @pytest.mark.slow
