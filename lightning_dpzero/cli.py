@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import pickle
 import sys
 import zipfile
@@ -308,6 +309,9 @@ def lightning_main(argv: Optional[Sequence[str]] = None):
 
     import lightning_dpzero  # noqa: F401  (registers the dp_deepspeed* strategies)
 
+    # Like `python -m`, let a config's class_path name modules of the directory it is run from.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return LightningCLI(subclass_mode_model=True, subclass_mode_data=True,
                         save_config_kwargs={"overwrite": True}, parser_kwargs={"description": _DESCRIPTION},
                         args=None if argv is None else list(argv))

@@ -177,3 +177,24 @@ def test_frozen_batch_mixing_or_running_stat_layers_are_refused(layer):
     model = nn.Sequential(nn.Linear(4, 8), layer)
     with pytest.raises(UnsupportedLayerError, match=r"(?s)even frozen.*(GroupNorm|track_running_stats=False)"):
         PerSampleEngine(model).attach()
+
+
+def test_position_ids_of_batch_one_are_expanded_per_example():
+    class PosNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(7, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[1]).unsqueeze(0)  # (1, T), as BERT's position_ids buffer
+            return self.head(self.tok(x) + self.pos(pos)).mean(1)
+
+    torch.manual_seed(5)
+    model = PosNet()
+    x, y = torch.randint(0, 7, (4, 5)), torch.randint(0, 3, (4,))
+    ref = clipped_sum(model, per_example_grads(model, nn.functional.cross_entropy, x, y), 0.05, "all-layer")
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping="all-layer").attach()
+    with engine.micro_batch(batch_size=4):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)

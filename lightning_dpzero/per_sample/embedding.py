@@ -17,6 +17,9 @@ from .base import LayerRule, UnsupportedLayerError
 class EmbeddingRule(LayerRule):
     module_types = (nn.Embedding,)
     param_names = ("weight",)
+    #: an input with batch dimension 1 in a larger micro-batch (position ids of shape (1, T)) is expanded to
+    #: the batch, so each example gets its own copy and its own gradient; the output broadcasts as before
+    broadcast_batch = True
 
     def check(self, module, name):
         for attr, bad in (("max_norm", None), ("sparse", False), ("scale_grad_by_freq", False)):

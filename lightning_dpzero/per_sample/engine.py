@@ -245,6 +245,8 @@ class PerSampleEngine:
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
         b = self.expected_batch_size
+        if b is not None and x.shape[0] == 1 and b != 1 and getattr(hook.rule, "broadcast_batch", False):
+            x = x.expand(b, *x.shape[1:])
         if b is not None and x.shape[0] != b:
             raise UnsupportedLayerError(
                 f"{type(hook.module).__name__} '{hook.name}' received an input whose first dimension is "
