@@ -15,10 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "digits.py"
 FINAL = re.compile(r"^accuracy=(\d+\.\d\d) epsilon=(\d+\.\d\d) delta=(\S+)$")
+# An in-process Trainer in an earlier test leaves these set (and its TCPStore listening on MASTER_PORT); the
+# example must pick its own rendezvous, and must not take itself for a relaunched rank.
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+              "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def run_digits(*args: str, timeout: float = 300) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    env["PYTHONWARNINGS"] = "ignore"
     proc = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
