@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_fabric.accelerators.cuda import CUDAAccelerator
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from .accounting import PrivacyLedger
@@ -126,19 +126,27 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    @contextlib.contextmanager
+    def _cpu_device_indices(self):
+        """Lightning passes ``device_rank=root_device.index`` to ``deepspeed.initialize``; a CPU device has no
+        index (None), which DeepSpeed cannot compare. For that call the CPU devices carry their local ranks."""
+        if isinstance(self.accelerator, CUDAAccelerator) or self.parallel_devices is None:
+            yield
+            return
+        saved = self.parallel_devices
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(saved))]
+        try:
+            yield
+        finally:
+            self.parallel_devices = saved
+
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-        if isinstance(self.accelerator, CUDAAccelerator):
+        with self._cpu_device_indices():
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-        import argparse
 
-        import deepspeed
-
-        # On the CPU, Lightning passes device_rank=None, which DeepSpeed cannot compare; the local rank works.
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-            lr_scheduler=lr_scheduler, dist_init_required=False)
-        return engine, ds_optimizer
+    def _initialize_deepspeed_inference(self, model) -> None:  # trainer.validate / test / predict
+        with self._cpu_device_indices():
+            return super()._initialize_deepspeed_inference(model)
 
     @property
     def zero_stage(self) -> int:
