@@ -1,0 +1,125 @@
+"""The prepared one-GPU run: step-time cases at GPT-2-small width (d 768) and the batch-128 naive-loop speed-up.
+
+Sized for one H200 in under 8 minutes: no configuration starts after ``--budget-s`` (360 s) and each has
+``--timeout`` (120 s); those left are listed as skipped. Installs nothing from the network: Python packages the machine lacks
+(DeepSpeed, dp-accounting, Opacus, ...) come from wheels carried in ``.whl/`` (see ``benchmarks/gpu.sh``);
+a configuration whose packages are missing fails alone and is reported, the others still run.
+
+Configurations (one process launch each, ``benchmarks.step_time`` workers):
+
+* Lightning + DeepSpeed on 1 GPU, micro-batch ``--batch`` (default 32), ``--precision`` (default
+  bf16-mixed): non-DP and DP layer-wise / all-layer at ZeRO-0 and ZeRO-3, group-wise and automatic
+  clipping at ZeRO-3, LoRA DP vs non-DP;
+* one process, batch ``--single-batch`` (default 128), fp32 with TF32 matmuls: non-DP, ours (layer-wise,
+  all-layer), Opacus hooks and ghost, torch.func, and the naive per-example loop: the speed-up of our
+  engine over the naive loop at batch 128 is printed last.
+
+Writes ``$OUT/step_time_gpu.json`` (or ``--out``) and prints the table last.
+
+Usage::
+
+    bash benchmarks/gpu.sh               # on the GPU machine
+    bash benchmarks/gpu.sh --smoke       # on the CPU: tiny model, same code paths, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import step_time
+from benchmarks.common import machine_info, write_json
+
+#: run first (the numbers the issue asks for), then the rest while time remains
+PRIORITY = ["gpt/1proc/nondp", "gpt/1proc/ours-all", "gpt/1proc/naive", "gpt/zero0/nondp", "gpt/zero0/layer",
+            "gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all", "gpt/1proc/opacus-hooks",
+            "gpt/1proc/ours-layer", "gpt-lora/zero3/nondp", "gpt-lora/zero3/layer"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: proves the script end to end")
+    ap.add_argument("--budget-s", type=float, default=360.0, help="start no configuration after this")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/step_time_gpu.json)")
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--single-batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per configuration")
+    args = ap.parse_args(argv)
+    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "step_time_gpu.json"))
+    st_argv = ["--models", "gpt", "--world", "1", "--stages", "0,3", "--detail-stage", "3",
+               "--d-model", str(args.d_model), "--heads", str(args.heads), "--layers", str(args.layers),
+               "--seq", str(args.seq), "--batch", str(args.batch), "--single-batch", str(args.single_batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", args.precision,
+               "--timeout", str(args.timeout), "--accelerator", "gpu"]
+    if args.smoke:
+        st_argv = ["--models", "gpt", "--world", "1", "--stages", "0,3", "--detail-stage", "3",
+                   "--d-model", "64", "--heads", "2", "--layers", "1", "--seq", "32", "--batch", "4",
+                   "--single-batch", "8", "--steps", "2", "--warmup", "1", "--precision", "32-true",
+                   "--threads-per-proc", "1", "--single-threads", "1", "--timeout", "300", "--accelerator", "cpu",
+                   "--only", r"zero3/(nondp|layer|all)$|lora.*|1proc/(nondp|ours-all|naive|opacus-hooks)$"]
+        args.budget_s = 1e9
+    sargs = step_time.parse_args(st_argv)
+    cases = step_time.build_cases(sargs)
+    rank = {n: i for i, n in enumerate(PRIORITY)}
+    cases.sort(key=lambda c: rank.get(c["name"], len(PRIORITY)))
+    # a baseline must run before the cases compared with it
+    ordered, names = [], set()
+    for c in cases:
+        if c["baseline"] not in names and c["baseline"] != c["name"]:
+            ordered += [b for b in cases if b["name"] == c["baseline"]]
+            names.add(c["baseline"])
+        if c["name"] not in names:
+            ordered.append(c)
+            names.add(c["name"])
+    logdir = Path(os.environ.get("OUT", "/tmp")) / "logs" if not args.smoke else Path("/tmp/dpzero-gpu-smoke")
+    logdir.mkdir(parents=True, exist_ok=True)
+    facts = {m: step_time.model_facts(m, step_time.model_kwargs(m, sargs), 1)
+             for m in dict.fromkeys(c["model"] for c in ordered)}
+    res = {"args": vars(sargs), "gpu_args": vars(args), "sigma": step_time.SIGMA, "C": step_time.CLIP,
+           "machine_before": machine_info(), "facts": facts, "results": [], "skipped": []}
+    t0 = time.time()
+    for cfg in ordered:
+        if time.time() - t0 > args.budget_s:
+            res["skipped"].append(cfg["name"])
+            continue
+        r = step_time.launch(cfg, logdir, args.timeout)
+        r.update({k: cfg[k] for k in ("name", "group", "baseline", "kind", "model", "method", "world", "batch")})
+        r["stage"] = cfg.get("stage")
+        res["results"].append(r)
+        step_time.finish(res["results"], ordered)
+        msg = r.get("error") or (f"wall {1e3 * r['median_s']:9.2f} ms ×{r.get('time_ratio', 1.0):.3f}  "
+                                 f"CPU ×{r.get('cpu_ratio', 1.0):.3f}")
+        print(f"[{time.time() - t0:5.0f} s] {cfg['name']:28s} {msg}", flush=True)
+        if "error" in r:
+            print(r["log_tail"][-800:], flush=True)
+        res["wall_s"] = time.time() - t0
+        write_json(out, res)  # after every configuration: a killed run keeps what it measured
+    res["machine_after"] = machine_info()
+    times = {r["name"]: r["median_s"] for r in res["results"] if "median_s" in r}
+    lines = []
+    for ours in ("ours-all", "ours-layer"):
+        n, o = times.get("gpt/1proc/naive"), times.get(f"gpt/1proc/{ours}")
+        if n and o:
+            res[f"naive_speedup_{ours}"] = n / o
+            lines.append(f"speed-up of {ours} over the naive per-example loop at batch "
+                         f"{sargs.single_batch or sargs.batch}: {n / o:.1f}×")
+    write_json(out, res)
+    print(f"\nwrote {out}; skipped (budget): {res['skipped'] or 'none'}")
+    print(step_time.render(res))
+    for line in lines:
+        print(line)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)

@@ -1,0 +1,343 @@
+"""Per-layer micro-benchmark (issue #3): one layer's forward + backward, non-DP against per-example clipping.
+
+For each layer shape, in one process and one run:
+
+* ``nondp``      plain forward + backward (weight, bias and input gradients);
+* ``engine``     our ``PerSampleEngine`` (layer-wise clipping), with the ghost-or-instantiate choice it
+                 makes for these shapes, and, for Linear and Conv2d, each path forced
+                 (``engine_ghost``, ``engine_inst``) by replacing ``lightning_dpzero.per_sample.linear.use_ghost``
+                 inside this process only;
+* ``func``       ``torch.func.vmap(grad)`` per-example gradients (parameters and input), then clipping and
+                 the weighted sum;
+* ``naive``      one forward + ``autograd.grad`` per example, then clipping and the sum;
+* ``proto_inst_reuse`` (Linear only) a benchmark-side prototype, not the engine: per-example gradients
+                 instantiated once in the layer's backward and reused for the clipped sum (see
+                 ``_InstReuseLinear``), to show what the layer-wise path could cost.
+
+Every method computes the same things: the sum of clipped per-example parameter gradients (plain sum for
+``nondp``) and the input gradient. Each example's loss is ``Σ out_i ⊙ R_i`` for a fixed random ``R``; the
+batch loss is their mean. Time: median of ``--reps`` timed calls after ``--warmup`` calls (methods
+timed round-robin), as CPU time of the calling thread (``time.thread_time``; with one torch thread all
+the work runs there, and time the OS gave to other jobs on a shared machine is excluded; wall-clock
+medians are in the JSON too), and the ratio to ``nondp`` measured in the same run. Memory: the peak of live torch CPU tensor bytes during one call,
+from ``torch.profiler`` memory events (``profile_memory=True``), above what was live before the call
+(inputs and parameters excluded). Each DP method's clipped gradient is checked against ``func``'s.
+
+Usage::
+
+    python -m benchmarks.per_layer [--reps 10] [--warmup 3] [--threads 1] [--batch 16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from benchmarks.common import RESULTS, machine_info, md_table, median, profiler_peak_bytes, write_json
+
+C = 1.0  # clipping threshold (every example is clipped at these scales)
+#: CPU clock of the timings: the calling thread's with one torch thread, else the whole process's
+CLOCK = time.thread_time
+
+#: (layer, shape) cases; for Linear the engine's rule is ghost when 2T² < p·d
+CASES = [
+    dict(layer="linear", T=16, d=512, p=512, note="short sequence, wide layer: ghost wins"),
+    dict(layer="linear", T=128, d=256, p=256, note="GPT d 256 attention projection"),
+    dict(layer="linear", T=128, d=256, p=1024, note="GPT d 256 MLP up-projection"),
+    dict(layer="linear", T=128, d=768, p=768, note="GPT-2-small width projection"),
+    dict(layer="linear", T=512, d=64, p=64, note="long sequence, narrow layer: instantiation wins"),
+    dict(layer="conv2d", cin=16, cout=32, k=3, hw=32, note="early conv: T=1024 patches, instantiation wins"),
+    dict(layer="conv2d", cin=64, cout=64, k=3, hw=8, note="late conv: T=64 patches, ghost wins"),
+    dict(layer="embedding", T=128, vocab=1000, d=256, note="token embedding"),
+    dict(layer="layernorm", T=128, d=256, note="LayerNorm(d)"),
+]
+
+
+def make_case(case: dict, B: int, seed: int = 0):
+    """The layer, its input ``x`` and output weights ``R`` for one case."""
+    torch.manual_seed(seed)
+    kind = case["layer"]
+    if kind == "linear":
+        layer = nn.Linear(case["d"], case["p"])
+        x = torch.randn(B, case["T"], case["d"])
+    elif kind == "conv2d":
+        layer = nn.Conv2d(case["cin"], case["cout"], case["k"], padding=case["k"] // 2)
+        x = torch.randn(B, case["cin"], case["hw"], case["hw"])
+    elif kind == "embedding":
+        layer = nn.Embedding(case["vocab"], case["d"])
+        x = torch.randint(0, case["vocab"], (B, case["T"]))
+    elif kind == "layernorm":
+        layer = nn.LayerNorm(case["d"])
+        x = torch.randn(B, case["T"], case["d"])
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        R = torch.randn_like(layer(x).float())
+    return layer, x, R
+
+
+def rows_shape(case: dict) -> tuple[int, int, int]:
+    """(T, d, p) of the Linear view the engine uses (Conv2d: unfolded patches)."""
+    if case["layer"] == "linear":
+        return case["T"], case["d"], case["p"]
+    if case["layer"] == "conv2d":
+        return case["hw"] ** 2, case["cin"] * case["k"] ** 2, case["cout"]
+    return 0, 0, 0
+
+
+# ------------------------------------------------------------------------------------------ methods
+def m_nondp(layer, x, R):
+    params = [p for p in layer.parameters()]
+    float_in = x.is_floating_point()
+
+    def step():
+        for p in params:
+            p.grad = None
+        xi = x.detach().requires_grad_(float_in)
+        loss = (layer(xi) * R).sum() / x.shape[0]
+        loss.backward()
+        return {n: p.grad for n, p in layer.named_parameters()}, (xi.grad if float_in else None)
+
+    return step
+
+
+def m_engine(layer, x, R, force: str | None = None):
+    from lightning_dpzero.per_sample import PerSampleEngine
+    from lightning_dpzero.per_sample import linear as linear_rule
+
+    eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
+    float_in = x.is_floating_point()
+    original = linear_rule.use_ghost
+    forced = {None: original, "ghost": lambda T, d, p: True, "inst": lambda T, d, p: False}[force]
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        xi = x.detach().requires_grad_(float_in)
+        linear_rule.use_ghost = forced
+        try:
+            with eng.micro_batch(batch_size=x.shape[0]):
+                loss = (layer(xi) * R).sum() / x.shape[0]
+                loss.backward()
+        finally:
+            linear_rule.use_ghost = original
+        return {n: p.grad for n, p in layer.named_parameters()}, (xi.grad if float_in else None)
+
+    return step
+
+
+class _InstReuseLinear(torch.autograd.Function):
+    """Prototype (benchmark only, not the engine): a Linear whose backward instantiates the per-example
+    gradients once, ``G_i = g_iᵀ a_i`` (one ``bmm``, the same multiply-adds as the batch weight gradient),
+    takes the norms from them and forms the clipped sum as ``Σ_i c_i G_i`` (``B·p·d`` multiply-adds), instead
+    of a norm pass followed by a second full matmul. Layer-wise only (the coefficient is known in the
+    layer's own backward); transient memory ``B·p·d``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        B = x.shape[0]
+        gx = g.matmul(weight)
+        gw = torch.bmm(g.transpose(1, 2), x).mul_(B)  # per-example gradients of the mean loss's terms
+        gb = g.sum(1).mul_(B)
+        norms = (gw.pow(2).sum((1, 2)) + gb.pow(2).sum(1)).sqrt()
+        coef = (C / norms.clamp_min(1e-12)).clamp(max=1.0)
+        return gx, torch.einsum("b,bpd->pd", coef, gw), coef @ gb
+
+
+def m_proto(layer, x, R):
+    """The instantiate-once prototype (:class:`_InstReuseLinear`), Linear only."""
+    def step():
+        layer.weight.grad = layer.bias.grad = None
+        xi = x.detach().requires_grad_(True)
+        loss = (_InstReuseLinear.apply(xi, layer.weight, layer.bias) * R).sum() / x.shape[0]
+        loss.backward()
+        return {"weight": layer.weight.grad, "bias": layer.bias.grad}, xi.grad
+
+    return step
+
+
+def _clip_sum(per: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+    coef = (C / norms.clamp_min(1e-12)).clamp(max=1.0)
+    return {n: torch.einsum("b,b...->...", coef, g) for n, g in per.items()}
+
+
+def m_func(layer, x, R):
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    float_in = x.is_floating_point()
+
+    def loss_one(prm, x1, r1):
+        return (functional_call(layer, prm, (x1.unsqueeze(0),)) * r1.unsqueeze(0)).sum()
+
+    per_example = vmap(grad(loss_one, argnums=(0, 1) if float_in else 0), in_dims=(None, 0, 0))
+
+    def step():
+        if float_in:
+            gp, gx = per_example(params, x, R)
+            gx = gx / x.shape[0]
+        else:
+            gp, gx = per_example(params, x, R), None
+        return _clip_sum(gp), gx
+
+    return step
+
+
+def m_naive(layer, x, R):
+    names = [n for n, _ in layer.named_parameters()]
+    params = [p for _, p in layer.named_parameters()]
+    float_in = x.is_floating_point()
+
+    def step():
+        total = {n: torch.zeros_like(p) for n, p in zip(names, params)}
+        gxs = []
+        for i in range(x.shape[0]):
+            xi = x[i:i + 1].detach().requires_grad_(float_in)
+            loss = (layer(xi) * R[i:i + 1]).sum()
+            gs = torch.autograd.grad(loss, params + ([xi] if float_in else []))
+            norm = torch.sqrt(sum(g.pow(2).sum() for g in gs[:len(params)]))
+            c = (C / norm.clamp_min(1e-12)).clamp(max=1.0)
+            for n, g in zip(names, gs):
+                total[n].add_(g, alpha=float(c))
+            if float_in:
+                gxs.append(gs[-1] / x.shape[0])
+        return total, (torch.cat(gxs) if float_in else None)
+
+    return step
+
+
+def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
+    from lightning_dpzero.per_sample.linear import use_ghost
+
+    T, d, p = rows_shape(case)
+    linear_like = case["layer"] in ("linear", "conv2d")
+    choice = None
+    if linear_like:
+        choice = "ghost" if (T > 1 and use_ghost(T, d, p)) else "instantiate"
+    methods: dict[str, Callable] = {"nondp": m_nondp, "engine": m_engine}
+    if linear_like:
+        methods["engine_ghost"] = lambda l, x, r: m_engine(l, x, r, "ghost")
+        methods["engine_inst"] = lambda l, x, r: m_engine(l, x, r, "inst")
+    methods["func"] = m_func
+    methods["naive"] = m_naive
+    if case["layer"] == "linear":
+        methods["proto_inst_reuse"] = m_proto
+    layer0, x, R = make_case(case, B)
+    out = {"case": case, "B": B, "engine_choice": choice, "methods": {}}
+    if linear_like:
+        out["T_d_p"] = [T, d, p]
+        out["flop_cheaper"] = "ghost" if T * (d + p) < d * p else ("tie" if T * (d + p) == d * p else "instantiate")
+        out["arithmetic_floor"] = 1.0 + min(T * (d + p), d * p) / (3.0 * d * p)
+    steps = {}
+    for name, make in methods.items():
+        steps[name] = make(copy.deepcopy(layer0), x, R)
+        for _ in range(warmup):
+            steps[name]()
+    wall = {n: [] for n in steps}
+    cpu = {n: [] for n in steps}
+    for _ in range(reps):  # round-robin, so drift in the machine's load hits every method alike
+        for name, step in steps.items():
+            t0, c0 = time.perf_counter(), CLOCK()
+            step()
+            cpu[name].append(CLOCK() - c0)
+            wall[name].append(time.perf_counter() - t0)
+    ref = None
+    for name, step in steps.items():
+        peak = profiler_peak_bytes(step)
+        grads, _ = step()
+        res = {"median_ms": 1e3 * median(cpu[name]), "wall_median_ms": 1e3 * median(wall[name]),
+               "cpu_ms": [1e3 * t for t in cpu[name]], "wall_ms": [1e3 * t for t in wall[name]],
+               "peak_mb": peak / 2**20}
+        if name == "func":
+            ref = {k: v.detach().clone() for k, v in grads.items()}
+        res["_grads"] = {k: v.detach().clone() for k, v in grads.items()}
+        out["methods"][name] = res
+    base = out["methods"]["nondp"]
+    for name, res in out["methods"].items():
+        g = res.pop("_grads")
+        res["time_ratio"] = res["median_ms"] / base["median_ms"]
+        res["wall_ratio"] = res["wall_median_ms"] / base["wall_median_ms"]
+        res["mem_ratio"] = res["peak_mb"] / base["peak_mb"] if base["peak_mb"] else float("nan")
+        if name != "nondp" and ref is not None:
+            res["max_rel_err_vs_func"] = max(float((g[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30))
+                                             for k in ref)
+    return out
+
+
+def case_label(case: dict) -> str:
+    k = case["layer"]
+    if k == "linear":
+        return f"Linear T={case['T']} d={case['d']} p={case['p']}"
+    if k == "conv2d":
+        return f"Conv2d {case['cin']}→{case['cout']} k{case['k']} {case['hw']}²"
+    if k == "embedding":
+        return f"Embedding V={case['vocab']} d={case['d']} T={case['T']}"
+    return f"LayerNorm d={case['d']} T={case['T']}"
+
+
+def render(result: dict) -> str:
+    """Markdown: a time table and a memory table (ratios to non-DP from the same run)."""
+    cols = ["nondp", "engine", "engine_ghost", "engine_inst", "func", "naive", "proto_inst_reuse"]
+    head = ["layer (B=%d)" % result["batch"], "engine chose", "floor", "non-DP ms"] + [
+        f"{c} ×" for c in cols[1:]]
+    rows, mrows = [], []
+    for r in result["cases"]:
+        m = r["methods"]
+        rows.append([case_label(r["case"]), r["engine_choice"] or "exact", r.get("arithmetic_floor"),
+                     m["nondp"]["median_ms"]] + [m[c]["time_ratio"] if c in m else None for c in cols[1:]])
+        mrows.append([case_label(r["case"]), m["nondp"]["peak_mb"]] +
+                     [m[c]["mem_ratio"] if c in m else None for c in cols[1:]])
+    mhead = ["layer", "non-DP peak MB"] + [f"{c} ×" for c in cols[1:]]
+    return ("**Time** (median thread CPU time, ratio to non-DP forward+backward of the same layer, same run)\n\n"
+            + md_table(head, rows)
+            + "\n\n**Peak tensor memory** (torch.profiler memory events, ratio to non-DP)\n\n"
+            + md_table(mhead, mrows) + "\n")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = least noisy)")
+    ap.add_argument("--quick", action="store_true", help="3 reps, 1 warm-up, batch 4 (a smoke test)")
+    ap.add_argument("--out", default=str(RESULTS / "per_layer_cpu.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.reps, args.warmup, args.batch = 3, 1, 4
+    torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.thread_time if args.threads == 1 else time.process_time
+    t0 = time.time()
+    result = {"batch": args.batch, "reps": args.reps, "warmup": args.warmup, "threads": args.threads,
+              "C": C, "time_method": ("median thread CPU time (time.thread_time), one torch thread" if args.threads == 1
+                              else "median process CPU time (time.process_time)"),
+              "memory_method": "torch.profiler memory events: peak live CPU tensor bytes during one call",
+              "machine_before": machine_info(), "cases": []}
+    for case in CASES:
+        r = run_case(case, args.batch, args.warmup, args.reps)
+        result["cases"].append(r)
+        m = r["methods"]
+        print(f"{case_label(case):40s} choice={r['engine_choice'] or '-':11s} nondp {m['nondp']['median_ms']:8.2f} ms | "
+              + " ".join(f"{k} {v['time_ratio']:.2f}x" for k, v in m.items() if k != "nondp"), flush=True)
+    result["wall_s"] = time.time() - t0
+    result["machine_after"] = machine_info()
+    write_json(args.out, result)
+    print(render(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

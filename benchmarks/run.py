@@ -1,0 +1,297 @@
+"""Run every CPU benchmark and render ``docs/benchmarks.md`` with its tables and a PNG plot.
+
+Usage::
+
+    python -m benchmarks.run                    # per-layer, engine profile, step time (~15 min on 2 idle
+                                                # cores), then render
+    python -m benchmarks.run --render-only      # re-render docs/benchmarks.md from the committed JSON
+    python -m benchmarks.run --skip-per-layer   # step time only (per-layer JSON reused)
+
+Every flag of ``benchmarks.step_time`` can follow ``--`` (e.g. ``-- --steps 4 --models gpt``).
+Outputs: ``benchmarks/results/per_layer_cpu.json``, ``profile_engine_cpu.json``, ``step_time_cpu.json``,
+``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
+``benchmarks/results/step_time_profile_cpu.json`` (a ``step_time --profile`` run) and the hand-written
+``benchmarks/results/analysis.md`` when they exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from benchmarks import per_layer, profile_engine, step_time
+from benchmarks.common import RESULTS, load_average, md_table
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+PNG = RESULTS / "step_time_cpu.png"
+
+#: issue #7 targets: (label, how it is read from the results, bound)
+TARGET_NOTES = """\
+Targets of issue #7, read from the tables above (all ratios are to a non-DP baseline measured in the
+same run). "floor" is 1 + min(T(d+p), d·p)/(3·d·p) per Linear, FLOP-weighted over the model: the cost of
+a per-example norm pass on top of the layer's forward and backward. It bounds the engine's present
+algorithm (norm pass, then a clipped matmul); the analysis below shows why instantiating per-example
+gradients once and reusing them for the clipped sum can go below it."""
+
+
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def plot(st: dict, path: Path) -> None:
+    """Horizontal bars: step time × non-DP per configuration, with the arithmetic floor marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "cpu_ratio" if any("cpu_ratio" in r for r in st["results"]) else "time_ratio"
+    rows = [r for r in st["results"] if key in r and r["method"] != "nondp"]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
+    labels = [r["name"] for r in rows]
+    ratios = [r[key] for r in rows]
+    colors = ["#1f77b4" if r["kind"] == "lightning" else "#ff7f0e" for r in rows]
+    y = list(range(len(rows)))[::-1]
+    ax.barh(y, ratios, color=colors)
+    for yi, r in zip(y, rows):
+        ax.plot([st["facts"][r["model"]]["floor"]] * 2, [yi - 0.4, yi + 0.4], color="k", lw=1.5)
+        ax.text(r[key] * 1.02, yi, f"{r[key]:.2f}", va="center", fontsize=7)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xscale("log")
+    ticks = [1, 1.25, 1.5, 2, 3, 4, 6]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.axvline(1.0, color="grey", lw=0.8)
+    what = "CPU time per step" if key == "cpu_ratio" else "step time"
+    ax.set_xlabel(f"{what} / non-DP of the same group, same run (log scale); black tick: arithmetic floor")
+    ax.set_title("DP step time over non-DP (blue: Lightning+DeepSpeed, 2 procs; orange: 1 process)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _get(st: dict, name: str) -> dict:
+    return next((r for r in st["results"] if r["name"] == name and "error" not in r), {})
+
+
+def targets(st: dict) -> str:
+    """The issue #7 targets against what was measured (rows only for what ran). Time ratios are CPU-time
+    ratios (robust to other jobs on a shared machine), with the wall-clock ratio beside them."""
+    rows = []
+
+    def verdict(v, bound):
+        return "–" if v is None or v != v else ("met" if v <= bound else "**missed**")
+
+    def add(label, bound, r, floor):
+        if not r or "cpu_ratio" not in r:
+            return
+        rows.append([label, f"≤ {bound}", f"{r['cpu_ratio']:.3f}", f"{r['time_ratio']:.3f}",
+                     None if floor is None else f"{floor:.3f}", verdict(r["cpu_ratio"], bound)])
+
+    f = st["facts"]
+    for s in (0, 1, 2, 3):
+        add(f"DP/non-DP, layer-wise, GPT d {st['args']['d_model']}, ZeRO-{s}", 1.25, _get(st, f"gpt/zero{s}/layer"),
+            f.get("gpt", {}).get("floor"))
+    add("DP/non-DP, all-layer, GPT, ZeRO-3", 1.35, _get(st, "gpt/zero3/all"), f.get("gpt", {}).get("floor"))
+    add("DP/non-DP, all-layer, CNN, ZeRO-3", 1.35, _get(st, "cnn/zero3/all"), f.get("cnn", {}).get("floor"))
+    for r in st["results"]:
+        if r["model"] == "gpt-lora" and r["method"] != "nondp":
+            add(f"LoRA DP/non-DP ({r['name']})", 1.05, _get(st, r["name"]), f["gpt-lora"]["floor"])
+    for model in ("gpt", "cnn"):
+        hooks = _get(st, f"{model}/1proc/opacus-hooks")
+        for ours in ("ours-all", "ours-layer"):
+            o = _get(st, f"{model}/1proc/{ours}")
+            if hooks and o:
+                v = o["cpu_median_s"] / hooks["cpu_median_s"]
+                rows.append([f"ours ({ours}) / Opacus hooks, {model}, 1 process", "≤ 0.62", f"{v:.3f}",
+                             f"{o['median_s'] / hooks['median_s']:.3f}", None, verdict(v, 0.62)])
+    for r in st["results"]:
+        if r["method"] == "nondp" or "rss_growth_ratio" not in r or r["kind"] != "lightning":
+            continue
+        rows.append([f"peak memory growth, {r['name']}", "≤ 1.15", f"{r['rss_growth_ratio']:.3f}", None, None,
+                     verdict(r["rss_growth_ratio"], 1.15) + f" (absolute peak RSS ×{r['rss_peak_ratio']:.3f})"])
+    return md_table(["target", "bound", "measured (CPU time / RSS growth)", "wall-clock ratio", "floor",
+                     "verdict"], rows)
+
+
+def model_line(a: dict, f: dict) -> str:
+    """One sentence describing the benchmarked models."""
+    parts = []
+    if "gpt" in f:
+        g = (f"GPT-style decoder: vocab {a['vocab']}, d_model {a['d_model']}, {a['heads']} heads, {a['layers']} "
+             f"blocks, T {a['seq']}, Ψ = {f['gpt']['psi']:,} parameters")
+        if "gpt-lora" in f:
+            g += f"; with LoRA rank {a['lora_rank']} on q and v, {f['gpt-lora']['psi_trainable']:,} trainable"
+        parts.append(g)
+    if "cnn" in f:
+        parts.append(f"CNN: 3 Conv2d+GroupNorm+ReLU stages ({a['cnn_channels']}, {2 * a['cnn_channels']}, "
+                     f"{2 * a['cnn_channels']} channels, 32×32 inputs) and a Linear head, Ψ = {f['cnn']['psi']:,}")
+    return ". ".join(parts) + "."
+
+
+def render_doc(pl: dict | None, st: dict | None, command: str) -> str:
+    m = (st or pl)["machine_before"]
+    after = (st or pl).get("machine_after", {})
+    parts = [
+        "# Benchmarks",
+        "",
+        "Generated by `benchmarks/run.py` from the JSON in `benchmarks/results/` (do not edit by hand; "
+        "re-render with `python -m benchmarks.run --render-only`).",
+        "",
+        "## Reproduce",
+        "",
+        "```bash",
+        ". .venv/bin/activate && pip install -c constraints-cpu.txt -e \".[bench]\"",
+        command,
+        "```",
+        "",
+        "One GPU (prepared, not yet run: this task had no GPU): `bash benchmarks/gpu.sh` on the GPU machine "
+        "after `bash benchmarks/gpu.sh --prepare-wheels` here (see its header); `bash benchmarks/gpu.sh --smoke` "
+        "runs the same script on the CPU with a tiny model (a few minutes).",
+        "",
+        "## Machine",
+        "",
+        f"* CPU: {m.get('cpu_model', '?')}, {m.get('cpu_count')} cores, {m.get('mem_total_gib')} GiB; "
+        f"no GPU. {m.get('platform')}",
+        f"* Python {m.get('python')}, torch {m.get('torch')}, Lightning {m.get('lightning')}, "
+        f"DeepSpeed {m.get('deepspeed')}, Opacus {m.get('opacus')}",
+        f"* Engine measured: `lightning_dpzero` at commit {m.get('engine_commit') or '?'}"
+        + (" (with uncommitted changes)" if m.get("engine_dirty") else "")
+        + (" (a clean export of that commit: `git archive`, the benchmarks copied in)"
+           if m.get("engine_path", "").startswith("/tmp") else ""),
+        f"* Load average (1, 5, 15 min) before: {m.get('load_average')}, after: {after.get('load_average')}. "
+        "The machine is shared with other developers' jobs, so wall-clock times are mostly waiting for a "
+        "core: the verdicts use CPU time per step (summed over the processes, one torch thread each), which "
+        "leaves out the time other jobs held the cores; wall-clock ratios are shown beside them. A "
+        "configuration and its baseline run back to back in the same run.",
+        "",
+    ]
+    if st:
+        a = st["args"]
+        f = st["facts"]
+        parts += [
+            "## Whole training steps",
+            "",
+            model_line(a, f),
+            "",
+            f"Lightning + DeepSpeed runs: {a['world']} processes × micro-batch {a['batch']} (GPT), "
+            f"{a.get('cnn_batch') or a['batch']} (CNN) "
+            f"({a['threads_per_proc']} thread each), Adam, precision {a['precision']}, σ = {st['sigma']}, "
+            f"C = {st['C']}, `poisson_sampling=False`. One-process runs: batch "
+            f"{a['single_batch'] or a['world'] * a['batch']} (GPT), "
+            f"{a['single_batch'] or a['world'] * (a.get('cnn_batch') or a['batch'])} (CNN), "
+            f"{a['single_threads']} thread. "
+            f"{a['warmup']} warm-up steps then {a['steps']} timed steps per configuration, one process launch "
+            f"per configuration; the median is shown. Total wall time {st['wall_s'] / 60:.1f} min.",
+            "",
+            "Names: `MODEL/zeroS/METHOD` is Lightning + DeepSpeed ZeRO-S (`nondp`: Lightning's DeepSpeedStrategy "
+            "with CPU overrides; `layer`, `all`, `group`: DPDeepSpeedStrategy layer-wise, all-layer, group-wise "
+            "clipping, Abadi; `layer-auto`: layer-wise automatic clipping). `MODEL/1proc/METHOD` is one process, "
+            "plain loop: `ours-layer`/`ours-all` is `PerSampleEngine` + noise; `opacus-hooks`/`opacus-ghost` "
+            "Opacus 1.6 (flat clipping); `naive` a backward per example; `func` torch.func vmap(grad).",
+            "",
+            "Memory: peak RSS per process is the kernel's high-water mark (`VmHWM`) reset just before training "
+            "(absolute, libraries included); growth is that peak minus the RSS at the reset.",
+            "",
+            f"![step time over non-DP](../benchmarks/results/{PNG.name})",
+            "",
+            step_time.render(st),
+            "## Where we stand against issue #7",
+            "",
+            TARGET_NOTES,
+            "",
+            targets(st),
+            "",
+        ]
+    analysis = RESULTS / "analysis.md"
+    if analysis.exists():
+        parts += [analysis.read_text().rstrip(), ""]
+    prof = _load(RESULTS / "profile_engine_cpu.json")
+    if prof:
+        a = prof["args"]
+        parts += [
+            "## Where the engine's time goes (torch.profiler)",
+            "",
+            f"`python -m benchmarks.profile_engine`: the GPT above, one process, {a['threads']} thread, batch "
+            f"{a['batch']}, forward + backward only, {a['steps']} profiled steps after {a['warmup']} warm-up; engine "
+            "functions wrapped in `record_function` labels inside the benchmark process (inclusive times: nested "
+            "labels overlap). The median is thread CPU time over at least 5 unprofiled steps; the profiler's times are wall "
+            "times, so they carry the machine's load: read them as shares of a step, not as absolute costs.",
+            "",
+            profile_engine.render(prof),
+        ]
+    dsprof = _load(RESULTS / "step_time_profile_cpu.json")
+    if dsprof:
+        only = dsprof["args"].get("only") or ""
+        parts += ["## Profiled DeepSpeed steps (rank 0)", "",
+                  f"`python -m benchmarks.step_time --profile --only '{only}' --single-methods '' --out "
+                  "benchmarks/results/step_time_profile_cpu.json`: torch.profiler on rank 0 over the timed steps, "
+                  "with the engine, the strategy's noise hook, backward/optimizer step and the accountant callback "
+                  "labelled (inclusive wall ms per step; profiling slows the step, so its ratios are not the "
+                  "benchmark's).", ""]
+        for r in dsprof["results"]:
+            pr = r.get("profile_rank0")
+            if not pr:
+                continue
+            parts += [f"**{r['name']}**: profiled step {pr['profiled_step_ms']:.0f} ms (rank 0)", "",
+                      md_table(["label", "ms/step"], list(pr["labels_ms"].items())[:12]), "",
+                      md_table(["operator", "self ms/step", "calls/step"], pr["top_ops"][:12]), ""]
+    if pl:
+        parts += [
+            "## Per-layer micro-benchmark",
+            "",
+            f"Batch {pl['batch']}, {pl['threads']} thread, median of {pl['reps']} timed calls after "
+            f"{pl['warmup']} warm-up calls; forward + backward of one layer (weight, bias and input gradients); "
+            "`engine` is `PerSampleEngine` (layer-wise) with the path it chose, `engine_ghost` / `engine_inst` "
+            "force the ghost norm / the instantiated per-example gradient; `func` torch.func vmap(grad) + "
+            "clipping; `naive` one backward per example. Memory: " + pl["memory_method"] + ". The floor is "
+            "1 + min(T(d+p), d·p)/(3·d·p). Every DP method's clipped gradient matched `func`'s (max relative "
+            f"error {max(v.get('max_rel_err_vs_func', 0) for c in pl['cases'] for v in c['methods'].values()):.1e}).",
+            "",
+            per_layer.render(pl),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--skip-per-layer", action="store_true")
+    ap.add_argument("--skip-step-time", action="store_true")
+    ap.add_argument("--skip-profile", action="store_true", help="skip benchmarks.profile_engine (about a minute)")
+    ap.add_argument("rest", nargs="*", help="flags for benchmarks.step_time, after --")
+    args = ap.parse_args(argv)
+    pl_path, st_path = RESULTS / "per_layer_cpu.json", RESULTS / "step_time_cpu.json"
+    t0 = time.time()
+    if not args.render_only:
+        print("load average before:", load_average(), flush=True)
+        if not args.skip_per_layer:
+            per_layer.main(["--out", str(pl_path)])
+        if not args.skip_profile:
+            profile_engine.main(["--layers-too", "--out", str(RESULTS / "profile_engine_cpu.json")])
+        if not args.skip_step_time:
+            step_time.main(args.rest + ["--out", str(st_path)])
+        print(f"total {time.time() - t0:.0f} s; load average after: {load_average()}", flush=True)
+    pl = json.loads(pl_path.read_text()) if pl_path.exists() else None
+    st = json.loads(st_path.read_text()) if st_path.exists() else None
+    if st:
+        plot(st, PNG)
+    command = "python -m benchmarks.run" + (" -- " + " ".join(args.rest) if args.rest else "")
+    if args.render_only and st and st.get("command"):
+        command = st["command"]
+    DOC.write_text(render_doc(pl, st, command))
+    print(f"wrote {DOC.relative_to(ROOT)}" + (f" and {PNG.relative_to(ROOT)}" if st else ""))
+
+
+if __name__ == "__main__":
+    main()
