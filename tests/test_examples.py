@@ -100,7 +100,7 @@ def test_speaker_lines_task():
 @needs_minilm
 def test_minilm_lora_trains_only_supported_adapters_and_head():
     from examples.minilm_lora import MiniLMClassifier
-    from lightning_dpzero import PerSampleEngine, UnsupportedLayerError
+    from lightning_dpzero import PerSampleEngine
 
     lora = MiniLMClassifier(full_finetune=False)
     engine = PerSampleEngine(lora, max_grad_norm=1.0).attach()
@@ -116,10 +116,12 @@ def test_minilm_lora_trains_only_supported_adapters_and_head():
     with engine.micro_batch(batch_size=3):
         torch.nn.functional.cross_entropy(full(ids, mask), torch.tensor([0, 1, 2])).backward()
     assert engine.stats["examples"] == 3
-    # BERT's own position ids are a (1, T) buffer: without the explicit (B, T) ids of forward() it is refused
-    with pytest.raises(UnsupportedLayerError, match="position_embeddings.*first dimension is 1"):
-        with engine.micro_batch(batch_size=3):
-            full.encoder(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    # BERT's own position ids are a (1, T) buffer: the engine expands it per example, so BERT works unchanged
+    full.zero_grad()
+    with engine.micro_batch(batch_size=3):
+        full.encoder(input_ids=ids, attention_mask=mask).last_hidden_state.mean().backward()
+    assert engine.stats["examples"] == 6
+    assert full.encoder.embeddings.position_embeddings.weight.grad.abs().sum() > 0
     engine.detach()
 
 
