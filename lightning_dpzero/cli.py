@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .accounting import LedgerEntry, LedgerIntegrityError, PrivacyLedger, compute_epsilon
-from .strategy import LEDGER_FILE, LEDGER_KEY  # JSON beside the ZeRO shards; key in the client state
+from .accounting.export import client_state_ledgers
+from .strategy import LEDGER_FILE  # JSON beside the ZeRO shards
 
-CALLBACK_KEY = "PrivacyAccountantCallback"
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
@@ -109,14 +109,8 @@ def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, Privac
         raise CLIError(f"cannot read the checkpoint's client state {f}: {exc}") from exc
     if not isinstance(state, dict):
         return {}, f"client state: {f.name} is not a dict"
-    found = {}
     try:
-        if state.get(LEDGER_KEY) is not None:
-            found[f"{f.name}:{LEDGER_KEY}"] = PrivacyLedger.from_dict(state[LEDGER_KEY])
-        callbacks = state.get("callbacks")
-        cb = callbacks.get(CALLBACK_KEY) if isinstance(callbacks, dict) else None
-        if isinstance(cb, dict) and cb.get("ledger") is not None:
-            found[f"{f.name}:callbacks.{CALLBACK_KEY}"] = PrivacyLedger.from_dict(cb["ledger"])
+        found = client_state_ledgers(state, f.name)
     except LedgerIntegrityError as exc:
         raise CLIError(f"TAMPERED or corrupt ledger in the client state of {f}: {exc}") from exc
     if not found:

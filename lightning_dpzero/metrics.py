@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from pathlib import Path

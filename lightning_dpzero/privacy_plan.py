@@ -6,7 +6,6 @@ and checked against it (DESIGN §5).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

@@ -57,7 +57,9 @@ def _model_states_file(ckpt_dir: Path, tag: Optional[str]) -> Optional[Path]:
     return None
 
 
-def _client_state_ledgers(state: dict, where: str) -> dict[str, PrivacyLedger]:
+def client_state_ledgers(state: dict, where: str) -> dict[str, PrivacyLedger]:
+    """Every ledger copy in a checkpoint's client state (the strategy's key and the callback's state), keyed by
+    where it was found; raises ``LedgerIntegrityError`` naming ``where`` for an edited or corrupt copy."""
     found = {}
     try:
         if state.get(LEDGER_KEY) is not None:
@@ -100,7 +102,7 @@ def checkpoint_ledger(ckpt_dir: PathLike, tag: Optional[str] = None) -> PrivacyL
                 raise
             state = {}
         if isinstance(state, dict):
-            copies.update(_client_state_ledgers(state, states.name))
+            copies.update(client_state_ledgers(state, states.name))
     if not copies:
         raise ValueError(f"{ckpt_dir} holds no privacy ledger ({LEDGER_FILE} or client-state key {LEDGER_KEY!r}): "
                          "not a checkpoint written by DPDeepSpeedStrategy, so the privacy it spent is unknown; "
@@ -180,7 +182,7 @@ def convert_zero_checkpoint_with_ledger(ckpt_dir: PathLike, output_path: PathLik
         output.parent.mkdir(parents=True, exist_ok=True)
         client_state = convert_zero_checkpoint_to_fp32_state_dict(ckpt_dir, output, tag=tag)
         # the client state may already carry copies (the strategy's key, the callback's state): they must agree
-        for where, other in _client_state_ledgers(client_state, str(output)).items():
+        for where, other in client_state_ledgers(client_state, str(output)).items():
             _check_same(other, ledger, where)
         client_state[LEDGER_KEY] = ledger.to_dict()
         _atomic_torch_save(client_state, output)

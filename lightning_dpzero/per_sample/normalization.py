@@ -70,7 +70,6 @@ class GroupNormRule(_AffineNormRule):
 
     def _per_example(self, module, x, g):
         xh = F.group_norm(x.float(), module.num_groups, None, None, module.eps)
-        B, C = x.shape[0], x.shape[1]
         gf = g.float().flatten(2) if g.dim() > 2 else g.float().unsqueeze(2)
         return (xh.reshape(gf.shape) * gf).sum(2), gf.sum(2)
 
