@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import secrets
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -36,31 +34,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from .accounting import PrivacyLedger
+from .checkpoint import (  # noqa: F401  (re-exported: the strategy's public checkpoint names)
+    COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY,
+    CheckpointIntegrityError, IncompleteCheckpointError, UnsafeCheckpointError, atomic_write_text, check_commit_matches, checkpoint_files, file_digest, file_problems, fsync_dir, gather_dicts, gather_lists, gather_objects, raise_file_problems, read_commit, safe_globals, unsafe_pickle_reason, verify_checkpoint, write_commit)
 from .noise import NoiseSource, make_noise_pre_hook
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping
 from .privacy_plan import PrivacyPlan
 from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
-
-LEDGER_FILE = "privacy_ledger.json"
-LEDGER_KEY = "privacy_ledger"
-COMMIT_FILE = "privacy_commit.json"  # written last by rank 0: the checkpoint is complete (docs/reliability.md)
-INCOMPLETE_FILE = ".privacy_checkpoint_incomplete"  # written first, removed after the commit
-COMMIT_FORMAT = "lightning_dpzero.privacy_commit"
-COMMIT_FORMAT_VERSION = 1
-
-
-class IncompleteCheckpointError(ValueError):
-    """A checkpoint directory without its commit marker: the save was interrupted (or never finished)."""
-
-
-class CheckpointIntegrityError(ValueError):
-    """A checkpoint whose files, ledgers or commit marker disagree (edited, truncated, mixed from two saves)."""
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds pickled objects that ``torch.load(weights_only=True)`` refuses to build."""
-
 
 class NonFiniteLossError(RuntimeError):
     """``training_step`` returned a NaN or infinite loss; training stops with that step charged to the ledger."""
@@ -390,10 +371,10 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         directory = Path(filepath)
         if self.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write_text(directory / INCOMPLETE_FILE, "checkpoint being written; not usable\n")
+            atomic_write_text(directory / INCOMPLETE_FILE, "checkpoint being written; not usable\n")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(directory / COMMIT_FILE)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         self.barrier("dp_checkpoint_begin")
         if self.ledger is not None:
             checkpoint[LEDGER_KEY] = self.ledger.to_dict()
@@ -413,14 +394,14 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
                 "world_size": self.world_size, "zero_stage": self.zero_stage,
                 "created_unix": time.time(), "files": files,
             }
-            _write_commit(directory, commit)
+            write_commit(directory, commit)
         self.barrier("dp_checkpoint_committed")
 
     def _hash_checkpoint_files(self, directory: Path) -> dict[str, dict[str, Any]]:
         """``{relative path: {"size", "sha256"}}`` of every file under ``directory`` (all ranks hash a share)."""
-        names = self.broadcast(_checkpoint_files(directory) if self.is_global_zero else None)
-        mine = {n: _file_digest(directory / n) for n in names[self.global_rank::self.world_size]}
-        return _gather_dicts(mine, self.world_size)
+        names = self.broadcast(checkpoint_files(directory) if self.is_global_zero else None)
+        mine = {n: file_digest(directory / n) for n in names[self.global_rank::self.world_size]}
+        return gather_dicts(mine, self.world_size)
 
     def remove_checkpoint(self, filepath) -> None:
         # Invalidate first: a deletion killed half-way leaves a directory that load_checkpoint refuses.
@@ -472,7 +453,7 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
             ledger = disk
         global_step = int(checkpoint.get("global_step", 0))
         if commit is not None:
-            _check_commit_matches(path, commit, ledger, global_step)
+            check_commit_matches(path, commit, ledger, global_step)
         if ledger.steps < global_step:
             raise CheckpointIntegrityError(
                 f"The checkpoint {checkpoint_path} holds weights after {global_step} optimizer steps but its privacy "
@@ -495,28 +476,28 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _verify_checkpoint_dir(self, directory: Path, required: bool) -> Optional[dict]:
         """Check the commit marker and the files it lists (the ranks share the hashing). Returns the marker."""
-        commit = _read_commit(directory, required)
+        commit = read_commit(directory, required)
         if commit is None:
             if not required:
                 rank_zero_warn(f"{directory} has no {COMMIT_FILE} (not written by DPDeepSpeedStrategy); loading "
                                "it unverified.")
             return None  # when fitting: not written by this strategy; the ledger check names the problem
         names = sorted(commit["files"])
-        problems = _file_problems(directory, commit, names[self.global_rank::self.world_size],
+        problems = file_problems(directory, commit, names[self.global_rank::self.world_size],
                                   check_unlisted=self.is_global_zero)
-        _raise_file_problems(directory, _gather_lists(problems, self.world_size))
+        raise_file_problems(directory, gather_lists(problems, self.world_size))
         return commit
 
     def _scan_pickles(self, directory: Path) -> None:
         """``torch.load(weights_only=True)`` every ``.pt`` file before DeepSpeed unpickles it fully."""
-        names = self.broadcast(sorted(n for n in _checkpoint_files(directory) if n.endswith(".pt"))
+        names = self.broadcast(sorted(n for n in checkpoint_files(directory) if n.endswith(".pt"))
                                if self.is_global_zero else None)
         problems = []
         for name in names[self.global_rank::self.world_size]:
-            reason = _unsafe_pickle_reason(directory / name)
+            reason = unsafe_pickle_reason(directory / name)
             if reason:
                 problems.append(f"{name}: {reason}")
-        problems = _gather_lists(problems, self.world_size)
+        problems = gather_lists(problems, self.world_size)
         if problems:
             raise UnsafeCheckpointError(
                 f"The checkpoint {directory} holds objects that loading could execute as code "
@@ -578,207 +559,3 @@ def _zero_loss(out):
     if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
         return {**out, "loss": torch.nan_to_num(out["loss"], nan=0.0)}
     return out
-
-
-# ---------------------------------------------------------------------- checkpoint commit helpers
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:  # make renames and unlinks durable; not possible on every platform
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Temp file in the same directory, fsync, ``os.replace``, fsync the directory: all or nothing."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _write_commit(directory: Path, commit: dict) -> None:
-    """Rank 0, after every other file is on disk: the marker that makes the directory a usable checkpoint."""
-    _atomic_write_text(directory / COMMIT_FILE, json.dumps(commit, indent=2, sort_keys=True, allow_nan=False))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(directory / INCOMPLETE_FILE)
-    _fsync_dir(directory)
-
-
-def _checkpoint_files(directory: Path) -> list[str]:
-    """Sorted POSIX paths, relative to ``directory``, of the files a commit covers (not the markers, not the
-    temp files of atomic writes)."""
-    out = []
-    for root, _, names in os.walk(directory):
-        for name in names:
-            if name in (COMMIT_FILE, INCOMPLETE_FILE) or (name.startswith(".") and name.endswith(".tmp")):
-                continue
-            out.append(Path(root, name).relative_to(directory).as_posix())
-    return sorted(out)
-
-
-def _file_digest(path: Path) -> dict[str, Any]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
-
-
-def _gather_objects(obj: Any, world_size: int) -> list[Any]:
-    import torch.distributed as dist
-
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _gather_dicts(mine: dict, world_size: int) -> dict:
-    merged: dict = {}
-    for part in _gather_objects(mine, world_size):
-        merged.update(part)
-    return dict(sorted(merged.items()))
-
-
-def _gather_lists(mine: list, world_size: int) -> list:
-    return [item for part in _gather_objects(mine, world_size) for item in part]
-
-
-def verify_checkpoint(path) -> dict:
-    """Verify a checkpoint directory written by :class:`DPDeepSpeedStrategy` without loading it (one process).
-
-    Returns its ``privacy_commit.json`` (``global_step``, ``ledger_steps``, ``ledger_head``, ``run_id``, ``files``)
-    after checking that every file matches its recorded size and SHA-256 and that ``privacy_ledger.json`` is the
-    ledger the marker names. Raises :class:`IncompleteCheckpointError` or :class:`CheckpointIntegrityError`.
-    """
-    directory = Path(path)
-    commit = _read_commit(directory, required=True)
-    if commit is None:
-        raise IncompleteCheckpointError(f"{directory} has no {COMMIT_FILE}: not a complete DPDeepSpeedStrategy "
-                                        "checkpoint.")
-    _raise_file_problems(directory, _file_problems(directory, commit, sorted(commit["files"]), True))
-    if (directory / LEDGER_FILE).exists():
-        ledger = PrivacyLedger.load(directory / LEDGER_FILE)
-        _check_commit_matches(directory, commit, ledger, commit.get("global_step"))
-    return commit
-
-
-def _read_commit(directory: Path, required: bool) -> Optional[dict]:
-    """The parsed marker; None if absent and the directory does not look half-written; raises otherwise."""
-    marker = directory / COMMIT_FILE
-    if not marker.exists():
-        incomplete = (directory / INCOMPLETE_FILE).exists()
-        if incomplete or ((directory / LEDGER_FILE).exists() and required):
-            raise IncompleteCheckpointError(
-                f"The checkpoint {directory} has no {COMMIT_FILE}: "
-                + ("its save was interrupted (the process stopped while writing it), so its shards may be missing, "
-                   "truncated or a mix of two saves. " if incomplete else
-                   "its save did not finish (or it was written before commit markers existed). ")
-                + f"Nothing was loaded. Resume from an earlier checkpoint whose directory holds {COMMIT_FILE}, or "
-                "start a new run.")
-        return None
-    try:
-        commit = json.loads(marker.read_text(encoding="utf-8"))
-        if commit.get("format") != COMMIT_FORMAT or commit.get("format_version") != COMMIT_FORMAT_VERSION:
-            raise ValueError(f"not a version-{COMMIT_FORMAT_VERSION} {COMMIT_FORMAT} document")
-        if not isinstance(commit["files"], dict):
-            raise TypeError("'files' is not a mapping")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointIntegrityError(f"{marker} is unreadable or malformed ({exc}); refusing to load "
-                                       f"{directory}.") from exc
-    return commit
-
-
-def _file_problems(directory: Path, commit: dict, names: list[str], check_unlisted: bool) -> list[str]:
-    files, problems = commit["files"], []
-    for name in names:
-        expected = files[name]
-        try:
-            actual = _file_digest(directory / name)
-        except OSError:
-            problems.append(f"{name}: missing")
-            continue
-        if actual != expected:
-            problems.append(f"{name}: size/SHA-256 {actual['size']}/{actual['sha256'][:12]}… differ from the "
-                            f"commit's {expected.get('size')}/{str(expected.get('sha256'))[:12]}…")
-    if check_unlisted:
-        problems += [f"{n}: not covered by the commit" for n in _checkpoint_files(directory)
-                     if n not in files and n.endswith(".pt")]
-    return problems
-
-
-def _raise_file_problems(directory: Path, problems: list[str]) -> None:
-    if problems:
-        raise CheckpointIntegrityError(
-            f"The checkpoint {directory} does not match its {COMMIT_FILE} ({'; '.join(problems[:5])}"
-            f"{' …' if len(problems) > 5 else ''}): files were changed, truncated or replaced after it was "
-            "written. Nothing was loaded; resume from another checkpoint.")
-
-
-def _check_commit_matches(directory: Path, commit: dict, ledger: PrivacyLedger, global_step: int) -> None:
-    found = {"run_id": ledger.run_id, "ledger_head": ledger.head, "ledger_steps": ledger.steps,
-             "global_step": global_step}
-    diffs = [f"{k}: {COMMIT_FILE} says {commit.get(k)!r}, the checkpoint {v!r}" for k, v in found.items()
-             if commit.get(k) != v]
-    if diffs:
-        raise CheckpointIntegrityError(
-            f"The checkpoint {directory} disagrees with its {COMMIT_FILE} ({'; '.join(diffs)}): its ledger or "
-            "client state belongs to another save or run. Refusing to resume.")
-
-
-def _safe_globals() -> list:
-    """DeepSpeed's own classes in its optimizer-state files, allowed by the ``weights_only`` pre-scan."""
-    import importlib
-
-    out = []
-    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
-                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
-                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        out += [getattr(mod, n) for n in names if hasattr(mod, n)]
-    return out
-
-
-def _unsafe_pickle_reason(path: Path) -> Optional[str]:
-    """None if ``torch.load(path, weights_only=True)`` succeeds (DeepSpeed's classes allowed), else why not.
-    ``mmap`` keeps tensor data unread, so the scan costs little beyond the pickle itself."""
-    import pickle
-
-    with torch.serialization.safe_globals(_safe_globals()):
-        try:
-            try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError:
-                raise
-            except (RuntimeError, ValueError):  # not the zip format, which mmap needs
-                torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            import re
-
-            text = str(exc)
-            names = sorted(set(re.findall(r"GLOBAL ([\w.]+)", text))) or [text.splitlines()[0][:200] if text else
-                                                                           type(exc).__name__]
-            return "weights_only refused " + ", ".join(names)[:300]
-        except Exception as exc:  # noqa: BLE001 - corrupt or foreign file: refuse, do not unpickle
-            return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
-    return None

@@ -247,7 +247,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_unloaded(tmp_path):
     torch.save(state, shard)
     # an attacker who can write the files can also rewrite the commit marker: the hashes match again
     commit = json.loads((ckpt / "privacy_commit.json").read_text())
-    from lightning_dpzero.strategy import _file_digest
+    from lightning_dpzero.checkpoint import file_digest as _file_digest
 
     commit["files"][shard.relative_to(ckpt).as_posix()] = _file_digest(shard)
     (ckpt / "privacy_commit.json").write_text(json.dumps(commit))

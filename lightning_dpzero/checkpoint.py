@@ -1,0 +1,243 @@
+"""Checkpoint integrity for DP runs: the commit marker written last, file digests, safe loading.
+
+A DeepSpeed checkpoint directory is usable only once rank 0 has written ``privacy_commit.json`` (ledger run id,
+head hash and steps, ``global_step``, size and SHA-256 of every file) after every shard and the ledger;
+``.privacy_checkpoint_incomplete`` marks a save in progress. See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .accounting import PrivacyLedger
+
+LEDGER_FILE = "privacy_ledger.json"
+LEDGER_KEY = "privacy_ledger"
+COMMIT_FILE = "privacy_commit.json"  # written last by rank 0: the checkpoint is complete (docs/reliability.md)
+INCOMPLETE_FILE = ".privacy_checkpoint_incomplete"  # written first, removed after the commit
+COMMIT_FORMAT = "lightning_dpzero.privacy_commit"
+COMMIT_FORMAT_VERSION = 1
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint directory without its commit marker: the save was interrupted (or never finished)."""
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint whose files, ledgers or commit marker disagree (edited, truncated, mixed from two saves)."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled objects that ``torch.load(weights_only=True)`` refuses to build."""
+
+
+# ---------------------------------------------------------------------- checkpoint commit helpers
+
+
+def fsync_dir(directory: Path) -> None:
+    try:  # make renames and unlinks durable; not possible on every platform
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Temp file in the same directory, fsync, ``os.replace``, fsync the directory: all or nothing."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_commit(directory: Path, commit: dict) -> None:
+    """Rank 0, after every other file is on disk: the marker that makes the directory a usable checkpoint."""
+    atomic_write_text(directory / COMMIT_FILE, json.dumps(commit, indent=2, sort_keys=True, allow_nan=False))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / INCOMPLETE_FILE)
+    fsync_dir(directory)
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """Sorted POSIX paths, relative to ``directory``, of the files a commit covers (not the markers, not the
+    temp files of atomic writes)."""
+    out = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            if name in (COMMIT_FILE, INCOMPLETE_FILE) or (name.startswith(".") and name.endswith(".tmp")):
+                continue
+            out.append(Path(root, name).relative_to(directory).as_posix())
+    return sorted(out)
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_dicts(mine: dict, world_size: int) -> dict:
+    merged: dict = {}
+    for part in gather_objects(mine, world_size):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def gather_lists(mine: list, world_size: int) -> list:
+    return [item for part in gather_objects(mine, world_size) for item in part]
+
+
+def verify_checkpoint(path) -> dict:
+    """Verify a checkpoint directory written by :class:`DPDeepSpeedStrategy` without loading it (one process).
+
+    Returns its ``privacy_commit.json`` (``global_step``, ``ledger_steps``, ``ledger_head``, ``run_id``, ``files``)
+    after checking that every file matches its recorded size and SHA-256 and that ``privacy_ledger.json`` is the
+    ledger the marker names. Raises :class:`IncompleteCheckpointError` or :class:`CheckpointIntegrityError`.
+    """
+    directory = Path(path)
+    commit = read_commit(directory, required=True)
+    if commit is None:
+        raise IncompleteCheckpointError(f"{directory} has no {COMMIT_FILE}: not a complete DPDeepSpeedStrategy "
+                                        "checkpoint.")
+    raise_file_problems(directory, file_problems(directory, commit, sorted(commit["files"]), True))
+    if (directory / LEDGER_FILE).exists():
+        ledger = PrivacyLedger.load(directory / LEDGER_FILE)
+        check_commit_matches(directory, commit, ledger, commit.get("global_step"))
+    return commit
+
+
+def read_commit(directory: Path, required: bool) -> Optional[dict]:
+    """The parsed marker; None if absent and the directory does not look half-written; raises otherwise."""
+    marker = directory / COMMIT_FILE
+    if not marker.exists():
+        incomplete = (directory / INCOMPLETE_FILE).exists()
+        if incomplete or ((directory / LEDGER_FILE).exists() and required):
+            raise IncompleteCheckpointError(
+                f"The checkpoint {directory} has no {COMMIT_FILE}: "
+                + ("its save was interrupted (the process stopped while writing it), so its shards may be missing, "
+                   "truncated or a mix of two saves. " if incomplete else
+                   "its save did not finish (or it was written before commit markers existed). ")
+                + f"Nothing was loaded. Resume from an earlier checkpoint whose directory holds {COMMIT_FILE}, or "
+                "start a new run.")
+        return None
+    try:
+        commit = json.loads(marker.read_text(encoding="utf-8"))
+        if commit.get("format") != COMMIT_FORMAT or commit.get("format_version") != COMMIT_FORMAT_VERSION:
+            raise ValueError(f"not a version-{COMMIT_FORMAT_VERSION} {COMMIT_FORMAT} document")
+        if not isinstance(commit["files"], dict):
+            raise TypeError("'files' is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointIntegrityError(f"{marker} is unreadable or malformed ({exc}); refusing to load "
+                                       f"{directory}.") from exc
+    return commit
+
+
+def file_problems(directory: Path, commit: dict, names: list[str], check_unlisted: bool) -> list[str]:
+    files, problems = commit["files"], []
+    for name in names:
+        expected = files[name]
+        try:
+            actual = file_digest(directory / name)
+        except OSError:
+            problems.append(f"{name}: missing")
+            continue
+        if actual != expected:
+            problems.append(f"{name}: size/SHA-256 {actual['size']}/{actual['sha256'][:12]}… differ from the "
+                            f"commit's {expected.get('size')}/{str(expected.get('sha256'))[:12]}…")
+    if check_unlisted:
+        problems += [f"{n}: not covered by the commit" for n in checkpoint_files(directory)
+                     if n not in files and n.endswith(".pt")]
+    return problems
+
+
+def raise_file_problems(directory: Path, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointIntegrityError(
+            f"The checkpoint {directory} does not match its {COMMIT_FILE} ({'; '.join(problems[:5])}"
+            f"{' …' if len(problems) > 5 else ''}): files were changed, truncated or replaced after it was "
+            "written. Nothing was loaded; resume from another checkpoint.")
+
+
+def check_commit_matches(directory: Path, commit: dict, ledger: PrivacyLedger, global_step: int) -> None:
+    found = {"run_id": ledger.run_id, "ledger_head": ledger.head, "ledger_steps": ledger.steps,
+             "global_step": global_step}
+    diffs = [f"{k}: {COMMIT_FILE} says {commit.get(k)!r}, the checkpoint {v!r}" for k, v in found.items()
+             if commit.get(k) != v]
+    if diffs:
+        raise CheckpointIntegrityError(
+            f"The checkpoint {directory} disagrees with its {COMMIT_FILE} ({'; '.join(diffs)}): its ledger or "
+            "client state belongs to another save or run. Refusing to resume.")
+
+
+def safe_globals() -> list:
+    """DeepSpeed's own classes in its optimizer-state files, allowed by the ``weights_only`` pre-scan."""
+    import importlib
+
+    out = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        out += [getattr(mod, n) for n in names if hasattr(mod, n)]
+    return out
+
+
+def unsafe_pickle_reason(path: Path) -> Optional[str]:
+    """None if ``torch.load(path, weights_only=True)`` succeeds (DeepSpeed's classes allowed), else why not.
+    ``mmap`` keeps tensor data unread, so the scan costs little beyond the pickle itself."""
+    import pickle
+
+    with torch.serialization.safe_globals(safe_globals()):
+        try:
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError:
+                raise
+            except (RuntimeError, ValueError):  # not the zip format, which mmap needs
+                torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            import re
+
+            text = str(exc)
+            names = sorted(set(re.findall(r"GLOBAL ([\w.]+)", text))) or [text.splitlines()[0][:200] if text else
+                                                                           type(exc).__name__]
+            return "weights_only refused " + ", ".join(names)[:300]
+        except Exception as exc:  # noqa: BLE001 - corrupt or foreign file: refuse, do not unpickle
+            return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
