@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from ._atomic import atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
 from .accounting import PrivacyLedger
 
 LEDGER_FILE = "privacy_ledger.json"
@@ -40,33 +41,6 @@ class UnsafeCheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------- checkpoint commit helpers
-
-
-def fsync_dir(directory: Path) -> None:
-    try:  # make renames and unlinks durable; not possible on every platform
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Temp file in the same directory, fsync, ``os.replace``, fsync the directory: all or nothing."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
 
 
 def write_commit(directory: Path, commit: dict) -> None:

@@ -17,11 +17,12 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from pathlib import Path
 
+from .._atomic import atomic_write_text
 from .accountants import _check_accountant, _check_delta, compute_epsilon
 
 SAMPLERS = ("poisson", "shuffle")
@@ -245,29 +246,8 @@ class PrivacyLedger:
         return cls.from_dict(d)
 
     def save(self, path) -> None:
-        """Write the JSON atomically: temp file in the same directory, fsync, ``os.replace``."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        text = self.to_json()
-        fd, tmp = tempfile.mkstemp(prefix=".privacy_ledger.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        try:  # make the rename durable; not possible on every platform
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
+        """Write the JSON atomically: temp file in the same directory, fsync, ``os.replace``, fsync the directory."""
+        atomic_write_text(Path(os.fspath(path)).absolute(), self.to_json())
 
     @classmethod
     def load(cls, path) -> "PrivacyLedger":
