@@ -185,13 +185,20 @@ def audit_one_run(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor],
         model: a module with supported layers only (it is trained in place).
         data: (x, y) of the non-canary training examples.
         canaries: (x, y) of the m canaries (e.g. :func:`dirac_canaries`).
-        steps, sample_rate, noise_multiplier, max_grad_norm, lr: DP-SGD with Poisson sampling at rate q over
-            all included examples, per-example clipping to C (``clipping``), Gaussian noise σC on the sum, divided
-            by the expected batch q·(N + m/2) (fixed before the canaries are drawn), plain SGD.
+        steps: number of DP-SGD steps. The run is DP-SGD with Poisson sampling at rate q over all included
+            examples, per-example clipping to C (``clipping``), Gaussian noise σC on the sum, divided by the
+            expected batch q·(N + m/2) (fixed before the canaries are drawn), and plain SGD.
+        sample_rate: q, the Poisson sampling rate.
+        noise_multiplier: σ.
+        max_grad_norm: C, the clipping threshold.
+        lr: the SGD learning rate.
         delta: δ of both the accountant's ε and the lower bound.
         guesses: (k+, k-): "included" for the k+ highest scores, "excluded" for the k- lowest; default m/20 each.
         confidence: of the lower bound (default 0.95).
         score: "alignment" (white box, default) or "loss" (black box).
+        clipping: the clipping style passed to the per-example engine, ``"all-layer"`` (default) or ``"layer-wise"``.
+        loss_fn: the loss ``loss_fn(output, y)``, a batch mean that also accepts ``reduction="none"``
+            (default cross-entropy).
         generator: randomness of canary inclusion, sampling and noise (seed it for a reproducible audit).
 
     Returns:

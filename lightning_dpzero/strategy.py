@@ -75,7 +75,8 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         clipping_groups: for group-wise: lists of parameter-name patterns (``fnmatch``, e.g.
             ``[["encoder.*"], ["head.*"]]``), or ``"param_groups"`` for the optimizer's parameter groups.
         group_max_grad_norms: per-group thresholds C_k; default C/√K (so that √(Σ C_k²) = C).
-        clipping_fn: ``"abadi"`` or ``"automatic"`` (Bu et al.), with ``gamma`` (default 0.01).
+        clipping_fn: ``"abadi"``: min(1, C/‖g‖), or ``"automatic"`` (Bu et al.): C/(‖g‖ + γ).
+        gamma: γ of ``"automatic"`` clipping (default 0.01).
         poisson_sampling: Poisson-sample logical batches (default). ``False``: shuffled fixed-size batches,
             accounted as if Poisson with q = B·W·K/N (a common approximation; the ledger records it).
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
@@ -83,7 +84,8 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         loss_reduction: ``"mean"`` (``training_step`` returns the mean of per-example losses) or ``"sum"``.
 
     Raises:
-        ValueError / UnsupportedLayerError: bad settings or modules, before the first step.
+        ValueError: bad settings, before the first step.
+        UnsupportedLayerError: a trainable layer no per-example rule covers, before the first step.
     """
 
     strategy_name = "dp_deepspeed"

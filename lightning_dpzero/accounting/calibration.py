@@ -56,9 +56,13 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         accountant: "pld" (default, tight) or "rdp".
         rtol: relative tolerance in (0, 1) below the target (default 0.01).
 
-    Returns sigma (float). Raises ValueError naming the argument and the fix for invalid inputs, and
-    when the target cannot be met in [SIGMA_MIN, SIGMA_MAX] (e.g. a target so small that even
-    sigma = 1e4 exceeds it, or q <= delta so that epsilon stays below the target for any noise).
+    Returns:
+        sigma (float).
+
+    Raises:
+        ValueError: naming the argument and the fix for invalid inputs, and when the target cannot be met
+            in [SIGMA_MIN, SIGMA_MAX] (e.g. a target so small that even sigma = 1e4 exceeds it, or
+            q <= delta so that epsilon stays below the target for any noise).
     """
     te = float(target_epsilon)
     if not (te > 0.0 and math.isfinite(te)):
