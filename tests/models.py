@@ -42,15 +42,33 @@ class WideNet(nn.Module):
         return self.fc(x)
 
 
+class TinyViT(nn.Module):
+    """Conv2d patches → [class token; patches] + position embedding (raw parameters used by the forward) →
+    LayerNorm → Linear on the mean of the tokens."""
+
+    def __init__(self, d=6, classes=3):
+        super().__init__()
+        self.patch = nn.Conv2d(1, d, 4, stride=4)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.5)
+        self.pos_embed = nn.Parameter(torch.randn(1, 5, d) * 0.5)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.cat((self.cls_token.expand(h.shape[0], -1, -1), h), dim=1) + self.pos_embed
+        return self.head(torch.tanh(self.ln(h)).mean(1))
+
+
 def build_model(kind):
-    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet}[kind]()
+    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "vit": TinyViT}[kind]()
 
 
 def make_dataset(kind, n):
     g = torch.Generator().manual_seed(42)
     if kind == "token":
         x = torch.randint(0, 13, (n, 6), generator=g)
-    elif kind == "conv":
+    elif kind in ("conv", "vit"):
         x = torch.randn(n, 1, 8, 8, generator=g)
     else:
         x = torch.randn(n, 128, generator=g)

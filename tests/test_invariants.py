@@ -41,6 +41,9 @@ def _cases(world_size):
     # empty Poisson micro-batches (q·N/W = 1 expected example per rank and step): noise-only steps are valid
     cases.append(dict(BASE, name="i2_empty_s2_a2", stage=2, accumulate=2, batch_size=1, steps=4))
     cases.append(dict(BASE, name="i2_conv_al_s1", model="conv", stage=1, clipping="all-layer"))
+    # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
+    cases.append(dict(BASE, name="i2_vit_lw_s3_a2", model="vit", stage=3, accumulate=2))
+    cases.append(dict(BASE, name="i2_vit_al_s2", model="vit", stage=2, clipping="all-layer"))
     # I3: zero per-example gradients, so the update is lr × noise; one wide layer gives 33k coordinates
     for stage, acc in ((0, 1), (1, 1), (2, 2), (3, 1)):
         cases.append(dict(BASE, name=f"i3_s{stage}_a{acc}", model="wide", stage=stage, accumulate=acc,

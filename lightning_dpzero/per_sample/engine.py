@@ -35,7 +35,8 @@ from torch import nn
 
 from .base import LayerHook, PerSampleFunction, UnsupportedLayerError
 from .clipping import clip_coefficients, layer_thresholds, validate_clipping
-from .registry import find_rule, unsupported_reason
+from .parameters import ParameterHook, broadcast_candidates
+from .registry import find_rule, has_registered_base, unsupported_reason
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
 
@@ -72,6 +73,7 @@ class PerSampleEngine:
         self.clipping_fn, self.gamma, self.loss_reduction = clipping_fn, gamma, loss_reduction
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
+        self._guards: list = []
         self.active = False
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
@@ -102,7 +104,16 @@ class PerSampleEngine:
             hook = LayerHook(self, mod, name or type(mod).__name__, rule)
             mod.forward = hook
             self.hooks.append(hook)
+        for name, mod in self.module.named_modules():  # parameters used directly by a forward (parameters.py)
+            if find_rule(mod) is None and not has_registered_base(mod):
+                names = [n for n in broadcast_candidates(mod) if id(mod._parameters[n]) not in covered]
+                if names:
+                    hook = ParameterHook(self, mod, name or "<root>", names)
+                    covered |= {id(p) for p in hook.params_}
+                    mod.forward = hook
+                    self.hooks.append(hook)
         self._check_coverage(covered)
+        self._install_guards()
         self.active = True
         if self.clipping != "group-wise" or self._group_spec is not None:
             self.set_groups(self._group_spec, self._group_norms)
@@ -140,8 +151,13 @@ class PerSampleEngine:
             for pname, p in mod.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in covered:
                     full = f"{mname}.{pname}" if mname else pname
-                    missing.append(f"'{full}' of {type(mod).__name__} '{mname or '<root>'}': "
-                                   f"{unsupported_reason(mod)}")
+                    reason = unsupported_reason(mod)
+                    if find_rule(mod) is None and not has_registered_base(mod):
+                        reason = (f"a parameter of shape {tuple(p.shape)} used directly by {type(mod).__name__}'s "
+                                  "forward; such a parameter is supported only when its first dimension is 1 and "
+                                  "the forward broadcasts it over the batch (a class token (1, 1, d), a position "
+                                  "embedding (1, T, d)). Otherwise put it in a supported layer. " + reason)
+                    missing.append(f"'{full}' of {type(mod).__name__} '{mname or '<root>'}': {reason}")
         if missing:
             self.detach()
             raise UnsupportedLayerError(
@@ -210,7 +226,39 @@ class PerSampleEngine:
         for h in self.hooks:
             if h.module.__dict__.get("forward") is h:
                 del h.module.forward
-        self.hooks, self.active = [], False
+        for handle in self._guards:
+            handle.remove()
+        self.hooks, self._guards, self.active = [], [], False
+
+    # ---------------------------------------------------------------- guard (DESIGN I5 at run time)
+    def _install_guards(self) -> None:
+        """A hook on every covered parameter checks, in each backward, that the gradient about to be
+        accumulated is exactly what the engine's sites returned: a use of the parameter outside its layer
+        (``F.linear(h, emb.weight)`` for a tied head, a class token used in ``training_step``) or a forward
+        that skipped the engine (the module in ``eval()`` mode while training) would otherwise add an
+        unclipped, non-private gradient silently."""
+        for name, p in self._trainable_named():
+            self._guards.append(p.register_hook(self._guard(name, p)))
+
+    def _guard(self, name: str, p: nn.Parameter):
+        def check(grad: torch.Tensor) -> None:
+            if not self.active:
+                return
+            emitted = self._emitted.pop(id(p), None)
+            if emitted is grad or (emitted is not None and emitted.shape == grad.shape
+                                   and torch.equal(emitted.to(grad.dtype), grad)):
+                return
+            raise UnsupportedLayerError(
+                f"Parameter '{name}' received a gradient that did not pass through per-example clipping, which "
+                "would make training non-private. Either it is used outside the forward of the layer that owns "
+                "it (e.g. a tied output head computed as F.linear(h, embedding.weight): call the layer, or use "
+                "an nn.Linear whose weight is the embedding's), or the model's forward ran without the engine "
+                "(module in eval() mode or under a custom autograd path during training).")
+        return check
+
+    def clipping_now(self) -> bool:
+        """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
+        return self.active and torch.is_grad_enabled() and self.module.training
 
     # ---------------------------------------------------------------- per micro-batch
     @contextlib.contextmanager
@@ -236,11 +284,12 @@ class PerSampleEngine:
         self._shared_sum: dict[int, torch.Tensor] = {}
         self._records: dict[int, list] = {}
         self._deferred: list = []
+        self._emitted: dict[int, torch.Tensor] = {}  # per parameter: Σ of what its sites returned (the guard)
         self._total_sq: Optional[torch.Tensor] = None
         self._pending = False
 
     def _forward(self, hook: LayerHook, x: torch.Tensor) -> torch.Tensor:
-        if not (self.active and torch.is_grad_enabled() and self.module.training):
+        if not self.clipping_now():
             return hook.original_forward(x)
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
@@ -254,12 +303,15 @@ class PerSampleEngine:
                 "dimension first in every layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), "
                 "and use batch_first=True."
             )
+        self._register_site(hook)
+        return PerSampleFunction.apply(hook, x, *hook.rule.params(hook.module))
+
+    def _register_site(self, hook: LayerHook) -> None:
         for k in hook.groups:
             self._sites_left[k] = self._sites_left.get(k, 0) + 1
         for i in hook.param_ids:
             if i is not None:
                 self._param_sites[i] = self._param_sites.get(i, 0) + 1
-        return PerSampleFunction.apply(hook, x, *hook.rule.params(hook.module))
 
     # ---------------------------------------------------------------- backward
     def _on_backward(self, hook: LayerHook, x, g, params) -> list[Optional[torch.Tensor]]:
@@ -271,7 +323,9 @@ class PerSampleEngine:
         shared = [i is not None and self._param_sites.get(i, 0) > 1 for i in ids]
         plain = [i is not None and not s for i, s in zip(ids, shared)]
         if any(plain):
-            for i, sq in zip(ids, hook.rule.norm_sq(hook.module, x, g, plain)):
+            # keep=True: the clipped sum follows at this site, so the rule may reuse what its norm instantiated
+            kw = {"keep": True} if getattr(hook.rule, "keeps_per_example", False) and self._completes_at(hook) else {}
+            for i, sq in zip(ids, hook.rule.norm_sq(hook.module, x, g, plain, **kw)):
                 if sq is not None:
                     self._add(self._group_sq, self.group_of[i], sq * (scale * scale))
         if any(shared):
@@ -285,7 +339,17 @@ class PerSampleEngine:
             self._sites_left[k] -= 1
             if self._sites_left[k] == 0:
                 out.update(self._complete(k, hook))
-        return [out.get(i, torch.zeros_like(p)) if i is not None else None for i, p in zip(ids, params)]
+        grads = [out.get(i, torch.zeros_like(p)) if i is not None else None for i, p in zip(ids, params)]
+        for i, gr in zip(ids, grads):
+            if i is not None:
+                self._add(self._emitted, i, gr)
+        return grads
+
+    def _completes_at(self, hook: LayerHook) -> bool:
+        """Every group of this site completes at it and is returned through autograd from it (layer-wise),
+        so ``clipped_grads`` for this site runs right after ``norm_sq`` (see ``_complete``)."""
+        return all(self._sites_left.get(k) == 1 and all(id(p) in hook.param_ids for p in self.groups[k])
+                   for k in hook.groups)
 
     @staticmethod
     def _add(store: dict, key: int, value: torch.Tensor) -> None:

@@ -87,6 +87,13 @@ def find_rule(module: nn.Module) -> Optional[LayerRule]:
     return rule
 
 
+def has_registered_base(module: nn.Module) -> bool:
+    """Whether ``module`` is (a subclass of) a layer with a rule, or a child a parent's rule owns: its direct
+    parameters are then never treated as parameters used directly by a forward (``parameters.py``)."""
+    cls = type(module)
+    return module in _OWNED or cls in RULES or _named(cls) is not None or _registered_base(cls) is not None
+
+
 def unsupported_reason(module: nn.Module) -> str:
     cls = type(module)
     name = cls.__name__
