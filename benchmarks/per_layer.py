@@ -3,16 +3,17 @@
 For each layer shape, in one process and one run:
 
 * ``nondp``      plain forward + backward (weight, bias and input gradients);
-* ``engine``     our ``PerSampleEngine`` (layer-wise clipping), with the ghost-or-instantiate choice it
-                 makes for these shapes, and, for Linear and Conv2d, each path forced
-                 (``engine_ghost``, ``engine_inst``) by replacing ``lightning_dpzero.per_sample.linear.use_ghost``
+* ``engine``     our ``PerSampleEngine`` (layer-wise clipping), with the path its cost model chooses for these
+                 shapes (``linear.choose_path``), and, for Linear and Conv2d, each path forced (``engine_ghost``:
+                 ghost norm + clipped matmul, ``engine_inst``: instantiated norm + clipped matmul,
+                 ``engine_reuse``: instantiate and reuse) by replacing ``linear.use_ghost``/``linear.use_reuse``
                  inside this process only;
 * ``func``       ``torch.func.vmap(grad)`` per-example gradients (parameters and input), then clipping and
                  the weighted sum;
 * ``naive``      one forward + ``autograd.grad`` per example, then clipping and the sum;
-* ``proto_inst_reuse`` (Linear only) a benchmark-side prototype, not the engine: per-example gradients
-                 instantiated once in the layer's backward and reused for the clipped sum (see
-                 ``_InstReuseLinear``), to show what the layer-wise path could cost.
+* ``proto_inst_reuse`` (Linear only) the benchmark-side prototype that preceded ``engine_reuse``: per-example
+                 gradients instantiated once in the layer's backward and reused for the clipped sum (see
+                 ``_InstReuseLinear``), kept as the lower bound the engine's path is compared with.
 
 Every method computes the same things: the sum of clipped per-example parameter gradients (plain sum for
 ``nondp``) and the input gradient. Each example's loss is ``Σ out_i ⊙ R_i`` for a fixed random ``R``; the
@@ -114,20 +115,21 @@ def m_engine(layer, x, R, force: str | None = None):
 
     eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
     float_in = x.is_floating_point()
-    original = linear_rule.use_ghost
-    forced = {None: original, "ghost": lambda T, d, p: True, "inst": lambda T, d, p: False}[force]
+    original = linear_rule.use_ghost, linear_rule.use_reuse
+    forced = {None: original, "ghost": (lambda *a: True, lambda *a: False),
+              "inst": (lambda *a: False, lambda *a: False), "reuse": (original[0], lambda *a: True)}[force]
 
     def step():
         for p in layer.parameters():
             p.grad = None
         xi = x.detach().requires_grad_(float_in)
-        linear_rule.use_ghost = forced
+        linear_rule.use_ghost, linear_rule.use_reuse = forced
         try:
             with eng.micro_batch(batch_size=x.shape[0]):
                 loss = (layer(xi) * R).sum() / x.shape[0]
                 loss.backward()
         finally:
-            linear_rule.use_ghost = original
+            linear_rule.use_ghost, linear_rule.use_reuse = original
         return {n: p.grad for n, p in layer.named_parameters()}, (xi.grad if float_in else None)
 
     return step
@@ -219,17 +221,18 @@ def m_naive(layer, x, R):
 
 
 def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
-    from lightning_dpzero.per_sample.linear import use_ghost
+    from lightning_dpzero.per_sample.linear import choose_path
 
     T, d, p = rows_shape(case)
     linear_like = case["layer"] in ("linear", "conv2d")
     choice = None
     if linear_like:
-        choice = "ghost" if (T > 1 and use_ghost(T, d, p)) else "instantiate"
+        choice = choose_path(T, d, p, reusable=True)  # layer-wise: every site completes its group
     methods: dict[str, Callable] = {"nondp": m_nondp, "engine": m_engine}
     if linear_like:
         methods["engine_ghost"] = lambda l, x, r: m_engine(l, x, r, "ghost")
         methods["engine_inst"] = lambda l, x, r: m_engine(l, x, r, "inst")
+        methods["engine_reuse"] = lambda l, x, r: m_engine(l, x, r, "reuse")
     methods["func"] = m_func
     methods["naive"] = m_naive
     if case["layer"] == "linear":
@@ -289,7 +292,7 @@ def case_label(case: dict) -> str:
 
 def render(result: dict) -> str:
     """Markdown: a time table and a memory table (ratios to non-DP from the same run)."""
-    cols = ["nondp", "engine", "engine_ghost", "engine_inst", "func", "naive", "proto_inst_reuse"]
+    cols = ["nondp", "engine", "engine_ghost", "engine_inst", "engine_reuse", "func", "naive", "proto_inst_reuse"]
     head = ["layer (B=%d)" % result["batch"], "engine chose", "floor", "non-DP ms"] + [
         f"{c} ×" for c in cols[1:]]
     rows, mrows = [], []

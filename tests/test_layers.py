@@ -2,8 +2,8 @@
 
 Each property test draws a layer configuration, a batch (0 and 1 included), a clipping style (layer-wise,
 all-layer), a clipping function (abadi, automatic), a threshold C (mostly clipped … never clipped) and which
-norm the Linear rows use (the shape-based choice, or ghost / instantiated forced), then checks that the
-engine's Σ_i clip(g_i) equals the float64 ``torch.func`` reference. A trainable layer in front of the tested
+path the Linear-like rules take (their cost-model choice, or ghost, instantiated or instantiate-and-reuse
+forced), then checks that the engine's Σ_i clip(g_i) equals the float64 ``torch.func`` reference. A trainable layer in front of the tested
 one checks its input gradient too.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -41,10 +41,25 @@ clip_st = st.fixed_dictionaries({
     "clipping": st.sampled_from(["layer-wise", "all-layer"]),
     "clipping_fn": st.sampled_from(["abadi", "automatic"]),
     "C": st.sampled_from([0.01, 1.0, 1e4]),
-    "ghost": st.sampled_from([None, True, False]),  # None: the rule's own shape-based choice
+    # which path the Linear-like rules take (None: their own cost-model choice); "reuse" applies where the
+    # site completes its group (layer-wise), elsewhere the rule falls back to its own ghost/instantiate choice
+    "path": st.sampled_from([None, "ghost", "inst", "reuse"]),
     "B": st.sampled_from([0, 1, 2, 3]),
     "seed": st.integers(0, 2**16),
 })
+
+
+@contextmanager
+def force_path(path):
+    """Force the Linear-like rules' path: ``"ghost"``/``"inst"`` (norm, then the clipped matmul) or
+    ``"reuse"`` (instantiate and reuse, where the site completes its group); ``None``: the cost model."""
+    if path is None:
+        yield
+        return
+    ghost = {"ghost": lambda *a: True, "inst": lambda *a: False, "reuse": linear_mod.use_ghost}[path]
+    with mock.patch.object(linear_mod, "use_ghost", ghost), \
+            mock.patch.object(linear_mod, "use_reuse", lambda *a, **k: path == "reuse"):
+        yield
 
 
 def check_oracle(model, x, clip, merge=None):
@@ -71,10 +86,8 @@ def check_oracle(model, x, clip, merge=None):
     engine = PerSampleEngine(model, max_grad_norm=clip["C"], clipping=clip["clipping"],
                              clipping_fn=clip["clipping_fn"]).attach()
     hooks = [(h.name, type(h.rule).__name__) for h in engine.hooks]
-    force = clip["ghost"]
-    patch = mock.patch.object(linear_mod, "use_ghost", lambda T, d, p: force) if force is not None else nullcontext()
     try:
-        with patch, engine.micro_batch(batch_size=B):
+        with force_path(clip["path"]), engine.micro_batch(batch_size=B):
             torch.nan_to_num(loss_fn(model(x), y)).backward()  # B = 0: the mean over no examples is NaN
     finally:
         engine.detach()
@@ -326,7 +339,7 @@ def test_multihead_attention_matches_oracle(c, clip):
 def test_transformer_encoder_layer_matches_oracle(clipping):
     torch.manual_seed(0)
     model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), nn.Linear(8, 2))
-    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.1, ghost=None, B=3, seed=0)
+    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.1, path=None, B=3, seed=0)
     hooks = check_oracle(model, torch.randn(3, 5, 8), clip, merge={"0.self_attn.out_proj": "0.self_attn"})
     assert ("0.self_attn", "MultiheadAttentionRule") in hooks and len(hooks) == 6
 
@@ -398,7 +411,7 @@ def test_subclass_keeping_forward_is_accepted(clipping):
 
     torch.manual_seed(0)
     model = nn.Sequential(MyLinear(3, 4), nn.Tanh(), NonDynamicallyQuantizableLinear(4, 2))
-    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.05, ghost=None, B=4, seed=1)
+    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.05, path=None, B=4, seed=1)
     assert [name for name, _ in check_oracle(model, torch.randn(4, 3), clip)] == ["0", "2"]
 
 
@@ -413,3 +426,62 @@ def test_unknown_parameter_on_a_supported_layer_is_named():
     lin.scale = nn.Parameter(torch.ones(2))
     with pytest.raises(UnsupportedLayerError, match=r"'scale' of MyLinear.*does not know \(scale\)"):
         PerSampleEngine(lin).attach()
+
+
+# ---------------------------------------------------------------------------------------------- the three paths (issue #7)
+def _path_model(kind):
+    torch.manual_seed(0)
+    if kind == "linear":
+        return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4)), torch.randn(3, 7, 5)
+    if kind == "linear_2d":  # T = 1: never kept
+        return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4)), torch.randn(3, 5)
+    if kind == "hf_conv1d":
+        return GPT2MLP(5, 7), torch.randn(3, 6, 5)
+    conv = {"conv2d": nn.Conv2d(3, 4, 3, padding=1), "conv2d_groups": nn.Conv2d(4, 6, 3, 2, 1, groups=2),
+            "conv2d_reflect": nn.Conv2d(3, 4, 3, padding="same", padding_mode="reflect", bias=False),
+            "conv1d_dilated": nn.Conv1d(3, 4, 2, stride=2, dilation=2, padding=1)}[kind]
+    n = 1 if isinstance(conv, nn.Conv1d) else 2
+    return PreThen(n, conv.in_channels, conv), torch.randn(3, conv.in_channels, *([7] * n))
+
+
+@pytest.mark.parametrize("kind", ["linear", "linear_2d", "hf_conv1d", "conv2d", "conv2d_groups", "conv2d_reflect",
+                                  "conv1d_dilated"])
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("path", [None, "ghost", "inst", "reuse"])
+def test_each_path_matches_oracle_and_reuse_only_where_the_site_completes(kind, clipping, path):
+    """Instantiate-and-reuse keeps per-example gradients only for a site that completes its group (the
+    clipped sum follows at once: layer-wise); all-layer sites never keep; every path equals the oracle."""
+    model, x = _path_model(kind)
+    taken = []
+    real = linear_mod.choose_path
+
+    def spy(*a, **k):
+        taken.append(real(*a, **k))
+        return taken[-1]
+
+    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.05, path=path, B=x.shape[0], seed=3)
+    with mock.patch.object(linear_mod, "choose_path", spy):
+        check_oracle(model, x, clip)
+    if path == "reuse" and clipping == "layer-wise":
+        assert set(taken) == {"reuse"}
+    elif path in ("ghost", "inst") or clipping == "all-layer" or kind == "linear_2d":  # T = 1: the cost model
+        assert "reuse" not in taken
+    from lightning_dpzero.per_sample.registry import find_rule
+    for m in model.modules():
+        rule = find_rule(m)
+        assert rule is None or getattr(rule, "_kept", None) is None  # nothing kept beyond its site
+
+
+def test_cost_model_choices():
+    """The per-call choice (``benchmarks/per_layer.py`` shapes): reuse where instantiation is cheap against
+    the ghost norm and fits the memory cap, ghost otherwise; never reuse where the site does not complete."""
+    cp = linear_mod.choose_path
+    assert cp(128, 256, 256, True) == "reuse"  # GPT d 256 attention projection
+    assert cp(128, 256, 1024, True) == "reuse"  # its MLP
+    assert cp(128, 768, 768, True) == "ghost"  # B·p·d above the memory cap
+    assert cp(16, 512, 512, True) == "ghost"  # short sequence, wide layer
+    assert cp(1024, 144, 32, True) == "reuse"  # early conv
+    assert cp(128, 256, 256, False) == "ghost"  # all-layer: the norm alone
+    assert cp(512, 64, 64, False) == "instantiate"
+    assert cp(1, 256, 256, True) == "instantiate"  # T = 1: the norm is a product of two row norms
+    assert cp(128, 256, 256, True, "cuda", torch.bfloat16) == "ghost"  # HBM traffic against tensor cores

@@ -2,14 +2,17 @@
 
 Unfolding (im2col) turns one example's input into T rows (one per output position, T = Π out_spatial) of
 d = C_in·Π kernel values, and its output gradient into T rows of p = C_out values; the weight gradient is
-then ``Σ_t g_t a_tᵀ``, a Linear's, so the Linear rule's ghost-or-instantiate norm (Li et al. 2021; Bu et al.
-2023) and weighted sum apply unchanged.
+then ``Σ_t g_t a_tᵀ``, a Linear's, so the Linear rule's choice among ghost norm, instantiation and
+instantiate-and-reuse (Li et al. 2021; Bu et al. 2023; see ``linear``) applies unchanged. Where the
+per-example gradients were not kept, the clipped sum is PyTorch's own weight-gradient kernel
+(``torch.nn.grad.conv*d_weight``, the non-DP backward's) on coefficient-scaled output gradients: no
+second unfold.
 
 Supported: any stride, dilation, padding (int, tuple, ``'valid'``, ``'same'`` also when asymmetric), every
 ``padding_mode`` (the input is padded explicitly, then unfolded without padding), and ``groups`` G: group j
 maps channels ``j·C_in/G …`` to outputs ``j·C_out/G …``, so the per-example weight gradient is G blocks
 ``(C_out/G, C_in/G·Πk)``; the groups are folded into the batch for norms (``(B·G, T, d/G)`` rows, squared
-norms summed per example) and into a batched matmul for the clipped sum. Inputs must be batched
+norms summed per example); the weight-gradient kernel takes ``groups`` itself. Inputs must be batched
 ``(B, C_in, *spatial)``; unbatched inputs are refused at the forward.
 
 Patch extraction: ``F.unfold`` for 2-D (1-D as 2-D with height 1); 3-D with ``Tensor.unfold`` per spatial
@@ -25,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError, param_shape
-from .linear import LinearRule, rows_norm_sq
+from . import linear as _linear
+from .linear import LinearRule, per_example_sq, rows_norm_sq
 
 _GRAD_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
+_GRAD_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 
 
 def _pads(module) -> list[tuple[int, int]]:
@@ -68,7 +73,7 @@ def _fold_groups(t: torch.Tensor, G: int) -> torch.Tensor:
 
 
 class ConvRule(LinearRule):
-    """Conv1d/2d/3d; shares the Linear rule's norms and weighted sums (groups=1), only the rows differ."""
+    """Conv1d/2d/3d; shares the Linear rule's norms and kept per-example gradients, only the rows differ."""
 
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     forward_methods = ("forward", "_conv_forward")
@@ -92,40 +97,54 @@ class ConvRule(LinearRule):
     def _rows(self, module, x, g):
         return unfold_patches(module, x), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)
 
-    def _bias(self, gg, mask):
-        return gg.float().sum(1).pow(2).sum(1) if len(mask) > 1 and mask[1] else None
+    def _dims(self, module, x, g):
+        shape = param_shape(module.weight)  # (C_out, C_in/G, *k)
+        return x.shape[0], math.prod(g.shape[2:]), math.prod(shape[1:]), shape[0] // module.groups
 
-    def norm_sq(self, module, x, g, mask):
+    def _bias_rows(self, module, g):
+        return g.flatten(2).float().sum(2)
+
+    def _padded(self, module, x):
+        """The input and the padding to give PyTorch's kernels (explicitly padded where they cannot pad)."""
+        pads = _pads(module)
+        if module.padding_mode != "zeros" or any(l != r for l, r in pads):
+            flat = [v for lr in reversed(pads) for v in lr]
+            x = F.pad(x, flat, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+            return x, [0] * len(pads)
+        return x, [l for l, _ in pads]
+
+    def _instantiate(self, module, x, g):
+        """Per-example weight gradients as one grouped weight-gradient kernel call, the batch folded into the
+        channels (B·G groups; Rochette et al. 2019): no unfold, the same kernel family as non-DP."""
+        shape = param_shape(module.weight)
+        B = x.shape[0]
+        if B == 0:
+            return torch.zeros(0, *shape, dtype=torch.float32, device=g.device)
+        xin, padding = self._padded(module, x.float())
+        gf = g.float()
+        n = len(module.kernel_size)
+        w = _GRAD_WEIGHT[n](xin.reshape(1, B * xin.shape[1], *xin.shape[2:]), (B * shape[0], *shape[1:]),
+                            gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), module.stride, padding, module.dilation,
+                            B * module.groups)
+        return w.view(B, *shape)
+
+    def _weight_norm_sq(self, module, x, g):
+        B, T, d, p = self._dims(module, x, g)
+        if T > 1 and not _linear.use_ghost(T, d, p):
+            return per_example_sq(self._instantiate(module, x, g))
+        a, gg = self._rows(module, x, g)
         G = module.groups
         if G == 1:
-            return super().norm_sq(module, x, g, mask)
-        a, gg = self._rows(module, x, g)
-        w = rows_norm_sq(_fold_groups(a, G), _fold_groups(gg, G)).view(gg.shape[0], G).sum(1) if mask[0] else None
-        return [w, self._bias(gg, mask)]
+            return rows_norm_sq(a, gg)
+        return rows_norm_sq(_fold_groups(a, G), _fold_groups(gg, G)).view(B, G).sum(1)
 
-    def per_example(self, module, x, g, mask):
-        G = module.groups
-        if G == 1:
-            return super().per_example(module, x, g, mask)
-        a, gg = self._rows(module, x, g)
-        B = gg.shape[0]
-        w = None
-        if mask[0]:
-            w = torch.bmm(_fold_groups(gg.float(), G).transpose(1, 2), _fold_groups(a.float(), G))  # (B·G, p/G, d/G)
-            w = w.reshape(B, *param_shape(module.weight))
-        b = gg.float().sum(1) if len(mask) > 1 and mask[1] else None
-        return [w, b]
-
-    def clipped_grads(self, module, x, g, coef, mask):
-        G = module.groups
-        if G == 1:
-            return super().clipped_grads(module, x, g, coef, mask)
-        a, gg = self._rows(module, x, g)
-        B, T, p = gg.shape
-        w = None
-        if mask[0]:
-            gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(B * T, G, p // G).transpose(0, 1)  # (G, BT, p/G)
-            ag = a.to(gg.dtype).reshape(B * T, G, a.shape[-1] // G).transpose(0, 1)  # (G, BT, d/G)
-            w = torch.bmm(gw.transpose(1, 2), ag).reshape(param_shape(module.weight))  # no B×p×d tensor
-        b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype) if len(mask) > 1 and mask[1] else None
-        return [w, b]
+    def _weighted_weight(self, module, x, g, coef):
+        """``Σ_i coef_i G_i`` with PyTorch's own weight-gradient kernel on coefficient-scaled output
+        gradients (the non-DP backward's kernel; no unfold, no per-example tensor)."""
+        shape = param_shape(module.weight)
+        if x.shape[0] == 0:
+            return torch.zeros(shape, dtype=g.dtype, device=g.device)
+        gw = g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+        xin, padding = self._padded(module, x.to(g.dtype))
+        return _GRAD_WEIGHT[len(module.kernel_size)](xin, shape, gw, module.stride, padding, module.dilation,
+                                                     module.groups)

@@ -3,8 +3,8 @@
 The weight is stored transposed relative to ``nn.Linear``: ``W`` is ``(d_in, d_out)`` (``nx``, ``nf``). For an
 example with T rows ``a_t ∈ R^{d_in}`` and output gradients ``g_t ∈ R^{d_out}`` the weight gradient is
 ``Σ_t a_t g_tᵀ`` — the Linear gradient transposed, with the same Frobenius norm — so the Linear rule's
-ghost-or-instantiate norm (Li et al. 2021) is reused as is; only the instantiated and clipped gradients are
-transposed. The class is matched by name and module path (see ``registry``): ``transformers`` is never
+choice of ghost norm, instantiation or instantiate-and-reuse (Li et al. 2021; see ``linear``) applies as is;
+only the instantiated and clipped gradients are transposed. The class is matched by name and module path (see ``registry``): ``transformers`` is never
 imported by this package.
 """
 
@@ -36,19 +36,12 @@ class HFConv1DRule(LinearRule):
     def grad_input(self, module, x, params, g):
         return g.matmul(params[0].to(g.dtype).t())
 
-    def per_example(self, module, x, g, mask):
+    def _instantiate(self, module, x, g):
         a, gg = batch_rows(x), batch_rows(g)
-        B = gg.shape[0]
-        w = torch.bmm(a.float().transpose(1, 2), gg.float()).view(B, *param_shape(module.weight)) if mask[0] else None
-        b = gg.float().sum(1) if len(mask) > 1 and mask[1] else None
-        return [w, b]
+        return torch.bmm(a.float().transpose(1, 2), gg.float()).view(gg.shape[0], *param_shape(module.weight))
 
-    def clipped_grads(self, module, x, g, coef, mask):
+    def _weighted_weight(self, module, x, g, coef):
+        # Σ_i coef_i Σ_t a_t g_tᵀ as one (d_in, d_out) matmul: no B×d_in×d_out tensor
         a, gg = batch_rows(x), batch_rows(g)
-        w = b = None
-        if mask[0]:  # Σ_i coef_i Σ_t a_t g_tᵀ as one (d_in, d_out) matmul: no B×d_in×d_out tensor
-            gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
-            w = a.reshape(-1, a.shape[-1]).to(gg.dtype).t().mm(gw).view(param_shape(module.weight))
-        if len(mask) > 1 and mask[1]:
-            b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype)
-        return [w, b]
+        gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
+        return a.reshape(-1, a.shape[-1]).to(gg.dtype).t().mm(gw).view(param_shape(module.weight))

@@ -1,15 +1,31 @@
 """``nn.Linear`` with inputs ``(B, d)`` or ``(B, *, d)`` (Lee & Kifer 2021; Li et al. 2021 ghost norm).
 
 For one example with T rows ``a_t ∈ R^d`` and output gradients ``g_t ∈ R^p`` the weight gradient is
-``G = Σ_t g_t a_tᵀ`` (p×d). Its squared norm is either
+``G = Σ_t g_t a_tᵀ`` (p×d). Three ways to get its squared norm and the clipped sum ``Σ_i c_i G_i``:
 
-* ghost: ``Σ_{t,s} (a_t·a_s)(g_t·g_s)``, cost ``O(T²(d+p))``, memory ``O(T²)``; or
-* instantiated: ``‖G‖²`` from the ``(B, p, d)`` tensor, cost ``O(T·p·d)``.
+* **ghost + matmul**: ``‖G‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (extra cost ``2T²(d+p)`` flops, memory
+  ``O(T²)``), then the clipped sum as one matmul of coefficient-scaled output gradients: the matmul a non-DP
+  backward does anyway, so the norm is the only extra work;
+* **instantiate + matmul**: ``‖G‖²`` from the ``(B, p, d)`` per-example tensor (an extra ``2T·p·d`` flops
+  and a ``B·p·d`` tensor), then the same matmul;
+* **instantiate and reuse**: the per-example ``G_i`` (their bmm costs the multiply-adds of the batch
+  weight gradient it replaces) give the norm *and* the clipped sum ``Σ_i c_i G_i`` (a ``(B,)·(B, p·d)``
+  product): no second matmul; the extra cost is memory traffic over ``B·p·d`` values (written once, read
+  for the norm and for the sum). Only possible when the clipped sum is formed right after the norm at the
+  same site (the engine passes ``keep=True`` to ``norm_sq`` then: layer-wise clipping, whose groups complete
+  at their own site). For groups completed at the end of backward (all-layer, group-wise spanning layers)
+  keeping ``B·p·d`` per layer until then would cost memory: those sites never keep.
 
-The cheaper one is chosen per call from the shapes actually seen: ghost when ``2T² < p·d``.
+The choice is made per call from the shapes actually seen (:func:`choose_path`), by a cost model that
+counts the extra flops of the ghost norm against the memory traffic of instantiation, with a memory cap
+(the per-example tensor at most :data:`REUSE_MEMORY_FACTOR` times the layer's own input rows and output
+gradients): no ``B·p·d`` tensor for a layer whose ghost norm is cheaper.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +33,39 @@ from torch import nn
 
 from .base import LayerRule, batch_rows, param_shape
 
+#: flop-equivalents of one per-example-gradient element kept for reuse (written once, read twice, fp32),
+#: by device type. CPU: fitted to ``benchmarks/per_layer.py`` (T=128: d=p=256 → ≈46, d=256 p=1024 → ≈84,
+#: T=512 d=p=64 → ≈90; the prototype's measured excess over non-DP, divided by p·d). CUDA: a roofline
+#: estimate, not measured (12 bytes per element at ~4 TB/s against ~800 TFLOP/s of 16-bit tensor cores, or
+#: ~60 TFLOP/s in fp32): ``benchmarks/gpu.sh`` measures the per-layer paths on a GPU.
+REUSE_COST = {"cpu": 64.0, "cuda": 2000.0, "cuda_fp32": 200.0}
+#: reuse only when ``p·d ≤ REUSE_MEMORY_FACTOR · T·(d+p)``: the per-example gradients at most this many times
+#: the layer's own rows (input and output gradient) — bounds the peak memory a layer adds in its backward
+REUSE_MEMORY_FACTOR = 2.0
+
 
 def use_ghost(T: int, d: int, p: int) -> bool:
-    """Ghost norm when ``2T² < p·d`` (Bu et al. 2022, book-keeping layer-wise decision)."""
+    """For the norm alone: ghost when ``2T² < p·d`` (Bu et al. 2022, book-keeping layer-wise decision)."""
     return 2 * T * T < p * d
+
+
+def use_reuse(T: int, d: int, p: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Instantiate-and-reuse beats ghost + matmul (see the module docstring), where reuse is possible."""
+    if T <= 1 or p * d > REUSE_MEMORY_FACTOR * T * (d + p):
+        return False
+    if device == "cuda":
+        beta = REUSE_COST["cuda_fp32" if dtype == torch.float32 else "cuda"]
+    else:
+        beta = REUSE_COST.get(device, REUSE_COST["cpu"])
+    return beta * p * d < 2 * T * T * (d + p) + 3 * T * T
+
+
+def choose_path(T: int, d: int, p: int, reusable: bool, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> str:
+    """``"reuse"``, ``"ghost"`` or ``"instantiate"`` for one call (``reusable``: the site completes here)."""
+    if reusable and use_reuse(T, d, p, device, dtype):
+        return "reuse"
+    return "ghost" if T > 1 and use_ghost(T, d, p) else "instantiate"
 
 
 def rows_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -32,7 +77,12 @@ def rows_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
     if use_ghost(T, d, p):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
+    return per_example_sq(torch.bmm(g.transpose(1, 2), a))
+
+
+def per_example_sq(t: torch.Tensor) -> torch.Tensor:
+    """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t``."""
+    return torch.linalg.vector_norm(t.flatten(1).float(), dim=1).pow(2)
 
 
 def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -41,8 +91,23 @@ def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> 
     return gw.reshape(-1, g.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
 
 
+def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``."""
+    return coef.to(per.dtype).view(1, -1).mm(per.flatten(1)).view(per.shape[1:])
+
+
 class LinearRule(LayerRule):
+    """``nn.Linear``; also the base of the HF Conv1D and Conv rules (same rows, other layouts)."""
+
     module_types = (nn.Linear,)
+    #: ``norm_sq`` accepts ``keep=True`` (the engine forms the clipped sum right after, at this site)
+    keeps_per_example = True
+
+    #: (x, g, per-example weight gradients) kept by ``norm_sq(keep=True)`` for the ``clipped_grads`` call of the
+    #: same site; one site at a time (set per instance on first use; rules are shared by layers)
+    _kept: Optional[tuple] = None
+    #: the last choice made (``"reuse"``/``"ghost"``/``"instantiate"``), for benchmarks and tests
+    last_path: Optional[str] = None
 
     def forward(self, module, x, weight, bias=None):
         return F.linear(x, weight, bias)
@@ -54,23 +119,60 @@ class LinearRule(LayerRule):
         """The layer as T rows per example: inputs (B, T, d) and output gradients (B, T, p)."""
         return batch_rows(x), batch_rows(g)
 
-    def norm_sq(self, module, x, g, mask):
+    def _dims(self, module, x, g) -> tuple[int, int, int, int]:
+        """(B, T, d, p) of the rows (per group for grouped convolutions), without forming them."""
+        return x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1], g.shape[-1]
+
+    def _bias_rows(self, module, g):
+        """Per-example bias gradients ``(B, p)`` fp32."""
+        return batch_rows(g).float().sum(1)
+
+    def _instantiate(self, module, x, g):
+        """Per-example weight gradients ``(B, *weight.shape)`` fp32."""
         a, gg = self._rows(module, x, g)
-        w = rows_norm_sq(a, gg) if mask[0] else None
-        b = gg.float().sum(1).pow(2).sum(1) if len(mask) > 1 and mask[1] else None
-        return [w, b]
+        return torch.bmm(gg.float().transpose(1, 2), a.float()).view(gg.shape[0], *param_shape(module.weight))
+
+    def _weight_norm_sq(self, module, x, g):
+        """Per-example squared weight-gradient norms without keeping anything (ghost or instantiated)."""
+        return rows_norm_sq(*self._rows(module, x, g))
+
+    def _weighted_weight(self, module, x, g, coef):
+        """``Σ_i coef_i G_i`` in ``g``'s dtype with the weight's shape, without a per-example tensor."""
+        a, gg = self._rows(module, x, g)
+        return weighted_rows_grad(a, gg, coef).view(param_shape(module.weight))
+
+    def norm_sq(self, module, x, g, mask, keep: bool = False):
+        self._kept = None  # a kept tensor not consumed by its site (an error in between) is dropped here
+        w = None
+        bias = len(mask) > 1 and mask[1]
+        pb = self._bias_rows(module, g) if bias else None
+        if mask[0]:
+            B, T, d, p = self._dims(module, x, g)
+            path = choose_path(T, d, p, keep and B > 0, g.device.type, g.dtype)
+            self.last_path = path
+            if path == "reuse":
+                per = self._instantiate(module, x, g)
+                w = per_example_sq(per)
+                self._kept = (x, g, per, pb)
+            else:
+                w = self._weight_norm_sq(module, x, g)
+        return [w, pb.pow(2).sum(1) if bias else None]
 
     def per_example(self, module, x, g, mask):
-        a, gg = self._rows(module, x, g)
-        B = gg.shape[0]
-        w = torch.bmm(gg.float().transpose(1, 2), a.float()).view(B, *param_shape(module.weight)) if mask[0] else None
-        b = gg.float().sum(1) if len(mask) > 1 and mask[1] else None
+        w = self._instantiate(module, x, g) if mask[0] else None
+        b = self._bias_rows(module, g) if len(mask) > 1 and mask[1] else None
         return [w, b]
 
     def clipped_grads(self, module, x, g, coef, mask):
-        a, gg = self._rows(module, x, g)
-        w = weighted_rows_grad(a, gg, coef).view(param_shape(module.weight)) if mask[0] else None
-        b = None
+        w = b = None
+        kept = self._kept
+        if kept is not None and kept[0] is x and kept[1] is g:
+            self._kept = None
+        else:
+            kept = None
+        if mask[0]:
+            w = weighted_sum(kept[2], coef).to(g.dtype) if kept is not None else self._weighted_weight(module, x, g, coef)
         if len(mask) > 1 and mask[1]:
-            b = (gg.float().sum(1) * coef.view(-1, 1)).sum(0).to(g.dtype)
+            pb = kept[3] if kept is not None and kept[3] is not None else self._bias_rows(module, g)
+            b = weighted_sum(pb, coef).to(g.dtype)
         return [w, b]
