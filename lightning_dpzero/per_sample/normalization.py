@@ -2,7 +2,11 @@
 
 Their parameters are small (p = normalised size or channels), so the per-example gradients
 ``Σ_positions x̂ ⊙ g`` (weight) and ``Σ_positions g`` (bias), shape ``(B, p)`` fp32, are cheap to form
-exactly; x̂ is the input normalised without the affine map, recomputed in fp32 from the saved input.
+exactly; x̂ is the input normalised without the affine map, in fp32. LayerNorm and GroupNorm/InstanceNorm
+compute the input gradient with PyTorch's own backward kernel from one normalisation of the saved input,
+whose x̂ the norms reuse (fp32 inputs; other dtypes recompute x̂ in fp32), and where the site completes its
+group (layer-wise) the ``(B, p)`` per-example gradients of the norm are kept for the clipped sum: one
+normalisation per backward instead of three.
 
 All of these normalise each example with its own statistics, so per-example gradients exist. InstanceNorm
 with ``track_running_stats=True`` is refused: its running mean and variance are averages over the training
@@ -13,6 +17,7 @@ be differentially private (the same reason BatchNorm is refused, besides its mix
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,11 @@ from .base import LayerRule, UnsupportedLayerError, param_shape
 
 
 class _AffineNormRule(LayerRule):
+    #: ``norm_sq`` accepts ``keep=True``: the (B, p) per-example gradients are kept for the site's clipped sum
+    keeps_per_example = True
+    _kept: Optional[tuple] = None  # (x, g, per-example gradients) of the site in progress
+    _xhat: Optional[tuple] = None  # (x, x̂ fp32) from ``grad_input`` of the site in progress
+
     def _normalized(self, module, x):
         raise NotImplementedError
 
@@ -29,8 +39,14 @@ class _AffineNormRule(LayerRule):
         """(weight, bias) per-example gradients, each ``(B, p)`` fp32."""
         raise NotImplementedError
 
-    def norm_sq(self, module, x, g, mask):
+    def _take_xhat(self, x):
+        """x̂ that ``grad_input`` computed for this very input (fp32 inputs only), else None."""
+        kept, self._xhat = self._xhat, None
+        return kept[1] if kept is not None and kept[0] is x else None
+
+    def norm_sq(self, module, x, g, mask, keep: bool = False):
         per = self._per_example(module, x, g)
+        self._kept = (x, g, per) if keep else None
         return [t.pow(2).sum(1) if m else None for t, m in zip(per, mask)]
 
     def per_example(self, module, x, g, mask):
@@ -39,10 +55,18 @@ class _AffineNormRule(LayerRule):
         return [t.view(t.shape[0], *param_shape(p)) if m else None for t, p, m in zip(per, params, mask)]
 
     def clipped_grads(self, module, x, g, coef, mask):
-        per = self._per_example(module, x, g)
+        kept = self._kept
+        if kept is not None and kept[0] is x and kept[1] is g:
+            self._kept, per = None, kept[2]
+        else:
+            per = self._per_example(module, x, g)
         params = self.params(module)
-        c = coef.view(-1, 1)
-        return [(t * c).sum(0).view(param_shape(p)).to(g.dtype) if m else None for t, p, m in zip(per, params, mask)]
+        c = coef.view(1, -1)
+        return [c.mm(t).view(param_shape(p)).to(g.dtype) if m else None for t, p, m in zip(per, params, mask)]
+
+
+def _same_dtype(x, g, params) -> bool:
+    return x.dtype == g.dtype and all(p is None or p.dtype == x.dtype for p in params)
 
 
 class LayerNormRule(_AffineNormRule):
@@ -51,11 +75,24 @@ class LayerNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None, bias=None):
         return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
 
+    def grad_input(self, module, x, params, g):
+        """PyTorch's own LayerNorm backward from one normalisation, whose x̂ the norms then reuse (fp32)."""
+        if not _same_dtype(x, g, params):
+            return super().grad_input(module, x, params, g)
+        shape = list(module.normalized_shape)
+        xh, mean, rstd = torch.native_layer_norm(x, shape, None, None, module.eps)
+        w, b = (list(params) + [None, None])[:2]
+        gx = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, [True, False, False])[0]
+        self._xhat = (x, xh) if x.dtype == torch.float32 else None
+        return gx
+
     def _per_example(self, module, x, g):
         n = 1
         for s in module.normalized_shape:
             n *= s
-        xh = F.layer_norm(x.float(), module.normalized_shape, None, None, module.eps)
+        xh = self._take_xhat(x)
+        if xh is None:
+            xh = F.layer_norm(x.float(), module.normalized_shape, None, None, module.eps)
         B = x.shape[0]
         T = x.numel() // max(B * n, 1)
         gf = g.float().reshape(B, T, n)
@@ -68,8 +105,27 @@ class GroupNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None, bias=None):
         return F.group_norm(x, module.num_groups, weight, bias, module.eps)
 
+    def grad_input(self, module, x, params, g):
+        """PyTorch's own GroupNorm backward from one normalisation, whose x̂ the norms then reuse (fp32)."""
+        if not _same_dtype(x, g, params) or x.dim() < 2 or x.shape[0] == 0:
+            return super().grad_input(module, x, params, g)
+        x, g = x.contiguous(), g.contiguous()
+        N, C = x.shape[0], x.shape[1]
+        HxW = x.numel() // (N * C)
+        G = self._groups(module, x)
+        xh, mean, rstd = torch.native_group_norm(x, None, None, N, C, HxW, G, module.eps)
+        w = params[0] if params else None
+        gx = torch.ops.aten.native_group_norm_backward(g, x, mean, rstd, w, N, C, HxW, G, [True, False, False])[0]
+        self._xhat = (x, xh) if x.dtype == torch.float32 else None
+        return gx
+
+    def _groups(self, module, x) -> int:
+        return module.num_groups
+
     def _per_example(self, module, x, g):
-        xh = F.group_norm(x.float(), module.num_groups, None, None, module.eps)
+        xh = self._take_xhat(x)
+        if xh is None:
+            xh = F.group_norm(x.float(), module.num_groups, None, None, module.eps)
         gf = g.float().flatten(2) if g.dim() > 2 else g.float().unsqueeze(2)
         return (xh.reshape(gf.shape) * gf).sum(2), gf.sum(2)
 
@@ -97,8 +153,13 @@ class InstanceNormRule(GroupNormRule):
         # = F.instance_norm (per-example, per-channel statistics), which fails on an empty batch when affine
         return F.group_norm(x, x.shape[1], weight, bias, module.eps)
 
+    def _groups(self, module, x) -> int:
+        return x.shape[1]
+
     def _per_example(self, module, x, g):
-        xh = F.instance_norm(x.float(), eps=module.eps)
+        xh = self._take_xhat(x)
+        if xh is None:
+            xh = F.instance_norm(x.float(), eps=module.eps)
         gf = g.float().flatten(2)
         return (xh.flatten(2) * gf).sum(2), gf.sum(2)
 
