@@ -135,7 +135,9 @@ class PrivacyAccountantCallback(Callback):
         """At an accumulation boundary (or before the first step): agree over ranks whether the next step
         fits, and reduce this step's clipping statistics in the same collective. Returns the summed stats."""
         local = [] if stats is None else list(stats)
-        refuse = 0.0 if self._budget_allows_next_step() else 1.0
+        # every rank holds the same ledger: rank 0 alone evaluates the budget (dp-accounting costs milliseconds
+        # per new step count) and the all-reduce below hands its answer to the others
+        refuse = 1.0 if trainer.global_rank == 0 and not self._budget_allows_next_step() else 0.0
         if trainer.world_size > 1:
             # every rank reaches the same boundaries; one small all-reduce keeps ranks from ever disagreeing
             t = torch.tensor(local + [refuse], dtype=torch.float64, device=trainer.strategy.root_device)
@@ -177,19 +179,23 @@ class PrivacyAccountantCallback(Callback):
         stats = strategy.per_sample.stats
         local = [float(stats["examples"]), float(stats["clipped"]), float(stats["norm_sum"])]
         strategy.per_sample.reset_stats()
-        examples, clipped, norm_sum = self._decide(trainer, local)
+        # ε (the tracker's bound; with a budget, never above the target while within it) is computed on rank 0
+        # only and reaches the other ranks through the statistics' all-reduce (0 elsewhere: the sum is rank 0's)
+        eps = [0.0] * (1 + bool(self.log_second_accountant))
+        if trainer.global_rank == 0:
+            eps[0] = self._guard.epsilon_upper_bound(ledger) if self._guard is not None else self.epsilon(exact=False)
+            if self.log_second_accountant:
+                eps[1] = self.epsilon(exact=False, accountant=self.second_accountant)
+        examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps)
         metrics = {
-            # the tracker's bound; with a budget, never above the target while within it
-            "epsilon": (self._guard.epsilon_upper_bound(ledger) if self._guard is not None
-                        else self.epsilon(exact=False)),
+            "epsilon": eps[0],
             "delta": self.delta,
             "noise_multiplier": plan.noise_multiplier,
             "sample_rate": plan.sample_rate,
             "dp_steps": float(ledger.steps),
         }
         if self.log_second_accountant:
-            metrics[f"epsilon_{self.second_accountant}"] = self.epsilon(exact=False,
-                                                                        accountant=self.second_accountant)
+            metrics[f"epsilon_{self.second_accountant}"] = eps[1]
         if examples:
             metrics["clip_fraction"] = clipped / examples
             metrics["mean_grad_norm"] = norm_sum / examples
