@@ -21,7 +21,10 @@ import sys
 import time
 import warnings
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "unable to detect a GPU" notice from DeepSpeed on the CPU
+import torch
+
+if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, without its "unable to detect a GPU" notice
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
     # DeepSpeed JIT-compiles its CPU shared-memory collective op on first use, into a cache shared by every
     # Python environment of this user: two virtual environments used in turn (or at once) rebuild it each
@@ -29,7 +32,6 @@ if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import lightning as L
-import torch
 import torchmetrics
 from sklearn.datasets import load_digits
 from torch import nn

@@ -37,16 +37,23 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+
+if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, without its "unable to detect a GPU" notice
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is read from the installed package
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lightning as L
-import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+
+try:
+    from ._common import fit_from_config, privacy_spent
+except ImportError:  # run as a script: python examples/<name>.py
+    from _common import fit_from_config, privacy_spent
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 HERE = Path(__file__).resolve().parent
@@ -216,9 +223,7 @@ class MiniLMClassifier(L.LightningModule):
     def on_fit_end(self) -> None:
         trainer = self.trainer
         acc = trainer.callback_metrics.get("val_acc")
-        accountant = next((cb for cb in trainer.callbacks if type(cb).__name__ == "PrivacyAccountantCallback"), None)
-        eps = accountant.epsilon() if accountant is not None else float("nan")
-        delta = accountant.delta if accountant is not None else float("nan")
+        eps, delta = privacy_spent(trainer)
         majority = getattr(trainer.datamodule, "majority", float("nan"))
         wall = time.perf_counter() - (self._t0 or time.perf_counter())
         if trainer.is_global_zero:
@@ -229,18 +234,12 @@ class MiniLMClassifier(L.LightningModule):
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python examples/minilm_lora.py [--full-finetune] [LightningCLI overrides]``."""
-    root = str(HERE.parent)
-    if root not in sys.path:  # so that the config's class_path examples.minilm_lora.* imports
-        sys.path.insert(0, root)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    from lightning_dpzero.cli import main as cli_main
-
     args = sys.argv[1:] if argv is None else list(argv)
     if "--full-finetune" in args:  # every weight trains; a smaller learning rate than the adapters' unless given
         args = [a for a in args if a != "--full-finetune"] + ["--model.full_finetune=true"]
         if not any(a.startswith("--model.lr") for a in args):
             args.append(f"--model.lr={FULL_FINETUNE_LR}")
-    return cli_main(["fit", "--config", str(DEFAULT_CONFIG), *args])
+    return fit_from_config(DEFAULT_CONFIG, args)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,21 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "unable to detect a GPU" notice from DeepSpeed on the CPU
+import torch
+
+if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, without its "unable to detect a GPU" notice
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import lightning as L
-import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from ._common import fit_from_config, privacy_spent
+except ImportError:  # run as a script: python examples/<name>.py
+    from _common import fit_from_config, privacy_spent
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchmetrics.text import Perplexity
 
@@ -224,9 +231,7 @@ class CharGPT(L.LightningModule):
         # One summary line from rank 0 (the CLI run's result; tests parse it).
         trainer = self.trainer
         ppl = trainer.callback_metrics.get("val_perplexity")
-        accountant = next((cb for cb in trainer.callbacks if type(cb).__name__ == "PrivacyAccountantCallback"), None)
-        eps = accountant.epsilon() if accountant is not None else float("nan")
-        delta = accountant.delta if accountant is not None else float("nan")
+        eps, delta = privacy_spent(trainer)
         dm = trainer.datamodule
         unigram = dm.unigram_perplexity() if dm is not None and hasattr(dm, "unigram_perplexity") else float("nan")
         wall = time.perf_counter() - (self._t0 or time.perf_counter())
@@ -238,14 +243,8 @@ class CharGPT(L.LightningModule):
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python examples/shakespeare_gpt.py [LightningCLI overrides]``: fit with the default config."""
-    root = str(HERE.parent)
-    if root not in sys.path:  # so that the config's class_path examples.shakespeare_gpt.* imports
-        sys.path.insert(0, root)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    from lightning_dpzero.cli import main as cli_main
-
     args = sys.argv[1:] if argv is None else list(argv)
-    return cli_main(["fit", "--config", str(DEFAULT_CONFIG), *args])
+    return fit_from_config(DEFAULT_CONFIG, args)
 
 
 if __name__ == "__main__":
