@@ -106,16 +106,23 @@ class BudgetGuard:
         self._limits[key], self._limit_eps[key] = lo, e_lo
         return lo
 
-    # ------------------------------------------------------------------------------------------ API
-    def allows_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
-                         sampler: str = "poisson") -> bool:
-        """True iff the exact epsilon of ``ledger`` with one more step (q, sigma) charged is <= target."""
+    def _key(self, ledger, sample_rate, noise_multiplier, sampler):
+        """``((prefix, q, sigma, delta, accountant), n_next)``; the key is ``None`` when epsilon is infinite."""
         q, sigma = float(sample_rate), float(noise_multiplier)
         delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
         prefix, n_next = self._split(ledger, q, sigma, sampler)
         if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
+            return None, n_next
+        return (prefix, q, sigma, delta, accountant), n_next
+
+    # ------------------------------------------------------------------------------------------ API
+    def allows_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
+                         sampler: str = "poisson") -> bool:
+        """True iff the exact epsilon of ``ledger`` with one more step (q, sigma) charged is <= target."""
+        key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
+        if key is None:
             return False  # epsilon is infinite
-        key = (prefix, q, sigma, delta, accountant)
+        prefix, q, sigma, delta, accountant = key
         limit = self._limits.get(key)
         if limit is not None:
             return n_next <= limit
@@ -126,22 +133,19 @@ class BudgetGuard:
     def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
                                 sampler: str = "poisson") -> float:
         """Exact epsilon of ``ledger`` with one more step (q, sigma) charged (``inf`` for sigma = 0)."""
-        q, sigma = float(sample_rate), float(noise_multiplier)
-        prefix, n_next = self._split(ledger, q, sigma, sampler)
-        if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
+        key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
+        if key is None:
             return math.inf
-        return self._exact(prefix, q, sigma, n_next, _check_delta(ledger.delta),
-                           _check_accountant(ledger.accountant))
+        prefix, q, sigma, delta, accountant = key
+        return self._exact(prefix, q, sigma, n_next, delta, accountant)
 
     def steps_within_budget(self, ledger, sample_rate: float, noise_multiplier: float,
                             sampler: str = "poisson") -> int:
         """How many more steps (q, sigma) can be charged to ``ledger`` with epsilon staying <= target."""
-        q, sigma = float(sample_rate), float(noise_multiplier)
-        delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
-        prefix, n_next = self._split(ledger, q, sigma, sampler)
-        if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
+        key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
+        if key is None:
             return 0
-        key = (prefix, q, sigma, delta, accountant)
+        prefix, q, sigma, delta, accountant = key
         limit = self._limits.get(key)
         if limit is None:
             # grow a bracket on the tracker grid until its (exact, grid-point) value is over the target
