@@ -5,7 +5,7 @@ d = C_in·Π kernel values, and its output gradient into T rows of p = C_out val
 then ``Σ_t g_t a_tᵀ``, a Linear's, so the Linear rule's choice among ghost norm, instantiation and
 instantiate-and-reuse (Li et al. 2021; Bu et al. 2023; see ``linear``) applies unchanged. Where the
 per-example gradients were not kept, the clipped sum is PyTorch's own weight-gradient kernel
-(``torch.nn.grad.conv*d_weight``, the non-DP backward's) on coefficient-scaled output gradients: no
+(``aten.convolution_backward``, the non-DP backward's) on coefficient-scaled output gradients: no
 second unfold.
 
 Supported: any stride, dilation, padding (int, tuple, ``'valid'``, ``'same'`` also when asymmetric), every
@@ -31,8 +31,16 @@ from .base import LayerRule, UnsupportedLayerError, param_shape
 from . import linear as _linear
 from .linear import LinearRule, per_example_sq, rows_norm_sq
 
-_GRAD_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
-_GRAD_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+
+def _conv_backward(module, x, weight, g, padding, groups: int, want_input: bool) -> torch.Tensor:
+    """PyTorch's convolution backward kernel (the one autograd runs for the layer): the input gradient, or
+    the weight gradient (``weight`` then only gives the shape: its values are not read)."""
+    n = len(module.kernel_size)
+    out = torch.ops.aten.convolution_backward(
+        g, x, weight, None, list(module.stride), list(padding), list(module.dilation), False, [0] * n, groups,
+        [want_input, not want_input, False])
+    return out[0] if want_input else out[1]
 
 
 def _pads(module) -> list[tuple[int, int]]:
@@ -90,9 +98,8 @@ class ConvRule(LinearRule):
         pads = _pads(module)
         if module.padding_mode != "zeros" or any(l != r for l, r in pads):
             return LayerRule.grad_input(self, module, x, params, g)  # recompute through F.pad
-        fn = _GRAD_INPUT[len(module.kernel_size)]
-        return fn(x.shape, params[0].to(g.dtype), g, module.stride, [l for l, _ in pads], module.dilation,
-                  module.groups)
+        return _conv_backward(module, x.to(g.dtype), params[0].to(g.dtype), g, [l for l, _ in pads], module.groups,
+                              want_input=True)
 
     def _rows(self, module, x, g):
         return unfold_patches(module, x), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)
@@ -122,10 +129,9 @@ class ConvRule(LinearRule):
             return torch.zeros(0, *shape, dtype=torch.float32, device=g.device)
         xin, padding = self._padded(module, x.float())
         gf = g.float()
-        n = len(module.kernel_size)
-        w = _GRAD_WEIGHT[n](xin.reshape(1, B * xin.shape[1], *xin.shape[2:]), (B * shape[0], *shape[1:]),
-                            gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), module.stride, padding, module.dilation,
-                            B * module.groups)
+        dummy = torch.empty((B * shape[0], *shape[1:]), dtype=torch.float32, device=g.device)
+        w = _conv_backward(module, xin.reshape(1, B * xin.shape[1], *xin.shape[2:]), dummy,
+                           gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), padding, B * module.groups, want_input=False)
         return w.view(B, *shape)
 
     def _weight_norm_sq(self, module, x, g):
@@ -146,5 +152,5 @@ class ConvRule(LinearRule):
             return torch.zeros(shape, dtype=g.dtype, device=g.device)
         gw = g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
         xin, padding = self._padded(module, x.to(g.dtype))
-        return _GRAD_WEIGHT[len(module.kernel_size)](xin, shape, gw, module.stride, padding, module.dilation,
-                                                     module.groups)
+        dummy = torch.empty(shape, dtype=g.dtype, device=g.device)
+        return _conv_backward(module, xin, dummy, gw, padding, module.groups, want_input=False)
