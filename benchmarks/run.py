@@ -34,9 +34,10 @@ PNG = RESULTS / "step_time_cpu.png"
 TARGET_NOTES = """\
 Targets of issue #7, read from the tables above (all ratios are to a non-DP baseline measured in the
 same run). "floor" is 1 + min(T(d+p), d·p)/(3·d·p) per Linear, FLOP-weighted over the model: the cost of
-a per-example norm pass on top of the layer's forward and backward. It bounds the engine's present
-algorithm (norm pass, then a clipped matmul); the analysis below shows why instantiating per-example
-gradients once and reusing them for the clipped sum can go below it."""
+a per-example norm pass on top of the layer's forward and backward. It bounds the norm-pass-then-clipped-
+matmul paths (ghost, instantiate); layer-wise clipping can go below it where the engine's cost model picks
+instantiate-and-reuse (per-example gradients formed once, reused for the clipped sum: no second matmul).
+All-layer and group-wise sites spanning layers never reuse, so the floor still bounds them."""
 
 
 def _load(path: Path):
@@ -252,8 +253,10 @@ def render_doc(pl: dict | None, st: dict | None, command: str) -> str:
             "",
             f"Batch {pl['batch']}, {pl['threads']} thread, median of {pl['reps']} timed calls after "
             f"{pl['warmup']} warm-up calls; forward + backward of one layer (weight, bias and input gradients); "
-            "`engine` is `PerSampleEngine` (layer-wise) with the path it chose, `engine_ghost` / `engine_inst` "
-            "force the ghost norm / the instantiated per-example gradient; `func` torch.func vmap(grad) + "
+            "`engine` is `PerSampleEngine` (layer-wise) with the path its cost model chose, `engine_ghost` / "
+            "`engine_inst` / `engine_reuse` force the ghost norm / the instantiated norm (each then a clipped "
+            "matmul) / instantiate-and-reuse; `proto_inst_reuse` is the earlier benchmark-side prototype of the "
+            "last; `func` torch.func vmap(grad) + "
             "clipping; `naive` one backward per example. Memory: " + pl["memory_method"] + ". The floor is "
             "1 + min(T(d+p), d·p)/(3·d·p). Every DP method's clipped gradient matched `func`'s (max relative "
             f"error {max(v.get('max_rel_err_vs_func', 0) for c in pl['cases'] for v in c['methods'].values()):.1e}).",
