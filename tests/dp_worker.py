@@ -100,7 +100,8 @@ def run_case(case, out_dir, devices):
         clipping_groups=case.get("clipping_groups"),
         seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False))
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
+        strategy=strategy, accelerator="cpu", devices=devices // case.get("num_nodes", 1),
+        num_nodes=case.get("num_nodes", 1), max_steps=case["steps"],
         max_epochs=case.get("max_epochs"),  # -1 with steps=-1: unbounded (the privacy budget stops it)
         accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -117,6 +118,16 @@ def run_case(case, out_dir, devices):
     if case.get("record_metrics"):  # every rank: the logged DP metrics, to compare across ranks
         with open(os.path.join(out_dir, f"{name}.metrics{rank}.json"), "w") as f:
             json.dump({k: float(v) for k, v in trainer.callback_metrics.items()}, f)
+    if case.get("record_ranks"):  # every rank: what it used (layout, sampler, plan, noise scales, ledger)
+        sampler = trainer.train_dataloader.batch_sampler
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump({"cluster_environment": type(strategy.cluster_environment).__name__,
+                       "global_rank": rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
+                       "world_size": trainer.world_size, "num_nodes": trainer.num_nodes,
+                       "num_devices": trainer.num_devices, "sampler_rank": sampler.rank,
+                       "sampler_replicas": sampler.num_replicas, "plan": vars(strategy.plan),
+                       "noise_scales": list(strategy._noise_scales()), "ledger": strategy.ledger.to_dict(),
+                       "epsilon": float(callbacks[0].epsilon())}, f)
     if rank == 0:
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),

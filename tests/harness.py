@@ -22,14 +22,23 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_cases(cases, out_dir, world_size, timeout=600):
-    """Run every case on ``world_size`` processes; returns ``{name: result}``."""
+def run_cases(cases, out_dir, world_size, timeout=600, nodes=1, launcher="env"):
+    """Run every case on ``world_size`` processes; returns ``{name: result}``.
+
+    ``nodes > 1`` simulates that many machines of ``world_size // nodes`` processes each (all on 127.0.0.1):
+    every process gets the environment of a multi-node launch (NODE_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE of its
+    node; RANK and WORLD_SIZE global), and each case must say ``num_nodes=nodes`` (the worker's Trainer gets
+    ``num_nodes`` and ``devices = world_size // nodes``). ``launcher="torchrun"`` starts one real ``torchrun``
+    agent per simulated node instead (static rendezvous on 127.0.0.1), which starts that node's processes."""
+    if world_size % nodes or any(c.get("num_nodes", 1) != nodes for c in cases):
+        raise ValueError(f"{world_size} processes on {nodes} nodes: world_size must divide evenly and every case "
+                         f"must have num_nodes={nodes}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = out_dir / "cases.json"
     cfg.write_text(json.dumps(cases))
     for attempt in range(3):
-        codes = _launch(cfg, out_dir, world_size, timeout)
+        codes = _launch(cfg, out_dir, world_size, timeout, nodes, launcher)
         log = (out_dir / "rank0.log").read_text()
         # Only a lost race for the rendezvous port is retried; any other failure is reported.
         if not any(codes) or "address already in use" not in log.lower():
@@ -45,13 +54,25 @@ def run_cases(cases, out_dir, world_size, timeout=600):
     return results
 
 
-def _launch(cfg, out_dir, world_size, timeout):
+def _launch(cfg, out_dir, world_size, timeout, nodes=1, launcher="env"):
     port = _free_port()
+    per_node = world_size // nodes
     procs = []
+    if launcher == "torchrun":  # rank{n}.log: node n's agent and its workers
+        env = {k: v for k, v in os.environ.items() if k not in (
+            "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")}
+        env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        for node in range(nodes):
+            log = open(out_dir / f"rank{node}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+                 f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                 str(HERE / "dp_worker.py"), str(cfg), str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        return [p.wait(timeout=timeout) for p in procs]
     for rank in range(world_size):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                   RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+                   RANK=str(rank), LOCAL_RANK=str(rank % per_node), NODE_RANK=str(rank // per_node),
+                   LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, str(HERE / "dp_worker.py"), str(cfg), str(out_dir)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
