@@ -26,22 +26,25 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.strategies.ddp import DDPStrategy
 
+from ._launch import DeepSpeedLaunchMixin
 from .accounting import PrivacyLedger
-from .checkpoint import (  # noqa: F401  (re-exported: the strategy's public checkpoint names)
+from .checkpoint import (  # noqa: F401  (some re-exported: the strategy's public checkpoint names)
     COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY,
-    CheckpointIntegrityError, IncompleteCheckpointError, UnsafeCheckpointError, atomic_write_text, check_commit_matches, checkpoint_files, file_digest, file_problems, fsync_dir, gather_dicts, gather_lists, gather_objects, raise_file_problems, read_commit, safe_globals, unsafe_pickle_reason, verify_checkpoint, write_commit)
+    CheckpointIntegrityError, IncompleteCheckpointError, UnsafeCheckpointError, atomic_write_text,
+    check_commit_matches, checkpoint_files, file_digest, file_problems, fsync_dir, gather_dicts, gather_lists,
+    gather_objects, raise_file_problems, read_commit, safe_globals, unsafe_pickle_reason, verify_checkpoint,
+    write_commit)
 from .noise import NoiseSource, make_noise_pre_hook
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping
 from .privacy_plan import PrivacyPlan
 from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
+
 
 class NonFiniteLossError(RuntimeError):
     """``training_step`` returned a NaN or infinite loss; training stops with that step charged to the ledger."""
@@ -61,7 +64,7 @@ class _LossProbe(torch.autograd.Function):
         return g, None
 
 
-class DPDeepSpeedStrategy(DeepSpeedStrategy):
+class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO (stages 0–3) with differentially private SGD (Abadi et al. 2016; Bu et al., DP-ZeRO).
 
     The released gradient of each optimizer step is ``(Σ_i clip(g_i) + N(0, σ²C²I)) / B_exp`` with
@@ -120,42 +123,6 @@ class DPDeepSpeedStrategy(DeepSpeedStrategy):
         self._restored_ledger: Optional[PrivacyLedger] = None
         self._noise_applied = False
         self._coalesce = None
-
-    # ------------------------------------------------------------------ CPU support (DESIGN §4 item 5)
-    def setup_environment(self) -> None:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            return super().setup_environment()
-        DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check: CPU + gloo works
-
-    def setup_distributed(self) -> None:
-        if isinstance(self.accelerator, CUDAAccelerator):
-            return super().setup_distributed()
-        from lightning.fabric.utilities.seed import reset_seed
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-
-    @contextlib.contextmanager
-    def _cpu_device_indices(self):
-        """Lightning passes ``device_rank=root_device.index`` to ``deepspeed.initialize``; a CPU device has no
-        index (None), which DeepSpeed cannot compare. For that call the CPU devices carry their local ranks."""
-        if isinstance(self.accelerator, CUDAAccelerator) or self.parallel_devices is None:
-            yield
-            return
-        saved = self.parallel_devices
-        self.parallel_devices = [torch.device("cpu", i) for i in range(len(saved))]
-        try:
-            yield
-        finally:
-            self.parallel_devices = saved
-
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-        with self._cpu_device_indices():
-            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-
-    def _initialize_deepspeed_inference(self, model) -> None:  # trainer.validate / test / predict
-        with self._cpu_device_indices():
-            return super()._initialize_deepspeed_inference(model)
 
     @property
     def zero_stage(self) -> int:
