@@ -14,7 +14,9 @@ For one example with T rows ``a_t ∈ R^d`` and output gradients ``g_t ∈ R^p``
   for the norm and for the sum). Only possible when the clipped sum is formed right after the norm at the
   same site (the engine passes ``keep=True`` to ``norm_sq`` then: layer-wise clipping, whose groups complete
   at their own site). For groups completed at the end of backward (all-layer, group-wise spanning layers)
-  keeping ``B·p·d`` per layer until then would cost memory: those sites never keep.
+  keeping ``B·p·d`` per layer until then costs memory: such a site keeps only when that is at most
+  :data:`DEFERRED_KEEP_FACTOR` of what the engine records for it anyway (input and output gradient): small
+  convolution kernels, never a GPT-width Linear.
 
 The choice is made per call from the shapes actually seen (:func:`choose_path`), by a cost model that
 counts the extra flops of the ghost norm against the memory traffic of instantiation, with a memory cap
@@ -30,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .base import LayerRule, batch_rows, param_shape
 
@@ -42,6 +45,44 @@ REUSE_COST = {"cpu": 64.0, "cuda": 2000.0, "cuda_fp32": 200.0}
 #: reuse only when ``p·d ≤ REUSE_MEMORY_FACTOR · T·(d+p)``: the per-example gradients at most this many times
 #: the layer's own rows (input and output gradient) — bounds the peak memory a layer adds in its backward
 REUSE_MEMORY_FACTOR = 2.0
+#: a site whose group completes later (all-layer, group-wise) keeps its per-example gradients until then only
+#: when they are at most this fraction of what the engine already records for the site (its input and output
+#: gradient): small convolution kernels and normalisation layers, never a GPT-width Linear
+DEFERRED_KEEP_FACTOR = 0.5
+
+
+class KeptSites:
+    """Per-example tensors a rule formed for a site's norm, kept for the same site's clipped sum.
+
+    Keyed weakly by the site's output gradient ``g`` (the engine's records hold it until the clipped sum is
+    formed), so an entry can never outlive its site: if the pass is abandoned, the entry goes with ``g``.
+    ``x`` is checked by identity too."""
+
+    def __init__(self):
+        self._d = WeakIdKeyDictionary()
+
+    def put(self, x, g, value) -> None:
+        self._d[g] = (x, value)
+
+    def take(self, x, g):
+        hit = self._d.pop(g, None)
+        return hit[1] if hit is not None and hit[0] is x else None
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def kept_sites(rule) -> KeptSites:
+    """The rule instance's store (rules are shared by every layer of their type)."""
+    store = rule.__dict__.get("_kept_sites")
+    if store is None:
+        store = rule._kept_sites = KeptSites()
+    return store
+
+
+def fits_deferred(x, g, per_example_numel: int) -> bool:
+    """May a site that does not complete its group keep ``B × per_example_numel`` values until it does?"""
+    return x.shape[0] * per_example_numel <= DEFERRED_KEEP_FACTOR * (x.numel() + g.numel())
 
 
 def use_ghost(T: int, d: int, p: int) -> bool:
@@ -103,9 +144,6 @@ class LinearRule(LayerRule):
     #: ``norm_sq`` accepts ``keep=True`` (the engine forms the clipped sum right after, at this site)
     keeps_per_example = True
 
-    #: (x, g, per-example weight gradients) kept by ``norm_sq(keep=True)`` for the ``clipped_grads`` call of the
-    #: same site; one site at a time (set per instance on first use; rules are shared by layers)
-    _kept: Optional[tuple] = None
     #: the last choice made (``"reuse"``/``"ghost"``/``"instantiate"``), for benchmarks and tests
     last_path: Optional[str] = None
 
@@ -142,18 +180,18 @@ class LinearRule(LayerRule):
         return weighted_rows_grad(a, gg, coef).view(param_shape(module.weight))
 
     def norm_sq(self, module, x, g, mask, keep: bool = False):
-        self._kept = None  # a kept tensor not consumed by its site (an error in between) is dropped here
         w = None
         bias = len(mask) > 1 and mask[1]
         pb = self._bias_rows(module, g) if bias else None
         if mask[0]:
             B, T, d, p = self._dims(module, x, g)
-            path = choose_path(T, d, p, keep and B > 0, g.device.type, g.dtype)
+            reusable = B > 0 and (keep or fits_deferred(x, g, math.prod(param_shape(module.weight))))
+            path = choose_path(T, d, p, reusable, g.device.type, g.dtype)
             self.last_path = path
             if path == "reuse":
                 per = self._instantiate(module, x, g)
                 w = per_example_sq(per)
-                self._kept = (x, g, per, pb)
+                kept_sites(self).put(x, g, (per, pb))
             else:
                 w = self._weight_norm_sq(module, x, g)
         return [w, pb.pow(2).sum(1) if bias else None]
@@ -165,14 +203,10 @@ class LinearRule(LayerRule):
 
     def clipped_grads(self, module, x, g, coef, mask):
         w = b = None
-        kept = self._kept
-        if kept is not None and kept[0] is x and kept[1] is g:
-            self._kept = None
-        else:
-            kept = None
+        kept = kept_sites(self).take(x, g) if mask[0] else None
         if mask[0]:
-            w = weighted_sum(kept[2], coef).to(g.dtype) if kept is not None else self._weighted_weight(module, x, g, coef)
+            w = weighted_sum(kept[0], coef).to(g.dtype) if kept is not None else self._weighted_weight(module, x, g, coef)
         if len(mask) > 1 and mask[1]:
-            pb = kept[3] if kept is not None and kept[3] is not None else self._bias_rows(module, g)
+            pb = kept[1] if kept is not None and kept[1] is not None else self._bias_rows(module, g)
             b = weighted_sum(pb, coef).to(g.dtype)
         return [w, b]

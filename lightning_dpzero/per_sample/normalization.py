@@ -4,9 +4,8 @@ Their parameters are small (p = normalised size or channels), so the per-example
 ``Σ_positions x̂ ⊙ g`` (weight) and ``Σ_positions g`` (bias), shape ``(B, p)`` fp32, are cheap to form
 exactly; x̂ is the input normalised without the affine map, in fp32. LayerNorm and GroupNorm/InstanceNorm
 compute the input gradient with PyTorch's own backward kernel from one normalisation of the saved input,
-whose x̂ the norms reuse (fp32 inputs; other dtypes recompute x̂ in fp32), and where the site completes its
-group (layer-wise) the ``(B, p)`` per-example gradients of the norm are kept for the clipped sum: one
-normalisation per backward instead of three.
+whose x̂ the norms reuse (fp32 inputs; other dtypes recompute x̂ in fp32), and the ``(B, p)`` per-example
+gradients of the norm are kept for the site's clipped sum: one normalisation per backward instead of three.
 
 All of these normalise each example with its own statistics, so per-example gradients exist. InstanceNorm
 with ``track_running_stats=True`` is refused: its running mean and variance are averages over the training
@@ -24,12 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError, param_shape
+from .linear import fits_deferred, kept_sites
 
 
 class _AffineNormRule(LayerRule):
-    #: ``norm_sq`` accepts ``keep=True``: the (B, p) per-example gradients are kept for the site's clipped sum
+    #: ``norm_sq`` accepts ``keep=True``; the (B, p) per-example gradients are kept for the site's clipped sum
+    #: (also for a group completed later: they are small beside the site's own records)
     keeps_per_example = True
-    _kept: Optional[tuple] = None  # (x, g, per-example gradients) of the site in progress
     _xhat: Optional[tuple] = None  # (x, x̂ fp32) from ``grad_input`` of the site in progress
 
     def _normalized(self, module, x):
@@ -46,7 +46,8 @@ class _AffineNormRule(LayerRule):
 
     def norm_sq(self, module, x, g, mask, keep: bool = False):
         per = self._per_example(module, x, g)
-        self._kept = (x, g, per) if keep else None
+        if keep or fits_deferred(x, g, sum(t.shape[1] for t in per)):  # (B, p): small beside x and g
+            kept_sites(self).put(x, g, per)
         return [t.pow(2).sum(1) if m else None for t, m in zip(per, mask)]
 
     def per_example(self, module, x, g, mask):
@@ -55,10 +56,8 @@ class _AffineNormRule(LayerRule):
         return [t.view(t.shape[0], *param_shape(p)) if m else None for t, p, m in zip(per, params, mask)]
 
     def clipped_grads(self, module, x, g, coef, mask):
-        kept = self._kept
-        if kept is not None and kept[0] is x and kept[1] is g:
-            self._kept, per = None, kept[2]
-        else:
+        per = kept_sites(self).take(x, g)
+        if per is None:
             per = self._per_example(module, x, g)
         params = self.params(module)
         c = coef.view(1, -1)
