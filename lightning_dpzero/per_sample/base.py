@@ -37,6 +37,10 @@ class LayerRule:
     multi_input: bool = False
     #: names of the parameters the rule covers, in the order passed to :class:`PerSampleFunction`
     param_names: tuple[str, ...] = ("weight", "bias")
+    #: ``norm_sq`` accepts ``keep=True``, which the engine passes when the site completes its clipping groups
+    #: (layer-wise): ``clipped_grads`` for the same ``x``/``g`` objects follows at once, so the rule may reuse
+    #: per-example tensors its norm formed (``linear.KeptSites``) instead of recomputing them
+    keeps_per_example: bool = False
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise ``UnsupportedLayerError`` for configurations the rule cannot clip (before training)."""
