@@ -169,6 +169,13 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip the *noisy* batch gradient; "
                 "DP training clips each example instead. Remove gradient_clip_val and set the strategy's "
                 "max_grad_norm.")
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                "automatic_optimization=False is not supported: the privacy ledger charges one step per "
+                "optimizer step of Lightning's loop and expects one backward per sampled micro-batch, so manual "
+                "accumulation would be under-charged and several manual_backward calls per batch would let an "
+                "example contribute more than max_grad_norm. Use automatic optimization (return the loss from "
+                "training_step; accumulate with Trainer(accumulate_grad_batches=...)).")
         if self.config and self.config.get("gradient_clipping"):
             raise ValueError(
                 f"The DeepSpeed config sets gradient_clipping={self.config['gradient_clipping']}; per-example "

@@ -198,3 +198,28 @@ def test_position_ids_of_batch_one_are_expanded_per_example():
         nn.functional.cross_entropy(model(x), y).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_group_thresholds_clip_each_group_to_its_own_bound():
+    torch.manual_seed(5)
+    model, x, y = TokenModel(), torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    groups = [["emb.*", "lin.*"], ["ln.*", "head.*"]]
+    names = [[n for n, _ in model.named_parameters() if n.split(".")[0] in ("emb", "lin")],
+             [n for n, _ in model.named_parameters() if n.split(".")[0] in ("ln", "head")]]
+    grads = per_example_grads(model, nn.functional.cross_entropy, x, y)
+    thresholds = [0.03, 0.04]  # sqrt(0.03² + 0.04²) = 0.05 = C
+    ref = {}
+    for grp, c in zip(names, thresholds):
+        norms = sum(grads[n].flatten(1).pow(2).sum(1) for n in grp).sqrt()
+        coef = (c / norms).clamp(max=1.0)
+        for n in grp:
+            ref[n] = (grads[n] * coef.view(-1, *[1] * (grads[n].dim() - 1))).sum(0)
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping="group-wise", groups=groups,
+                             group_max_grad_norms=thresholds).attach()
+    with engine.micro_batch(batch_size=6):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-7, msg=n)
+    with pytest.raises(ValueError, match="above max_grad_norm"):
+        PerSampleEngine(TokenModel(), max_grad_norm=0.05, clipping="group-wise", groups=groups,
+                        group_max_grad_norms=[0.05, 0.05]).attach()

@@ -50,6 +50,30 @@ def test_gradient_clip_val_is_refused():
         _fit(Net(), DPDeepSpeedStrategy(stage=1, noise_multiplier=1.0), gradient_clip_val=1.0)
 
 
+def test_manual_optimization_is_refused():
+    class Manual(Net):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, _):
+            self.steps_run += 1
+            self.manual_backward(super().training_step(batch, _))
+            self.optimizers().step()
+
+    model = Manual()
+    with pytest.raises(ValueError, match="automatic_optimization=False.*accumulate_grad_batches"):
+        _fit(model, DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0))
+    assert model.steps_run == 0
+
+
+def test_group_thresholds_above_max_grad_norm_are_refused():
+    strategy = DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=1.0, clipping="group-wise",
+                                   clipping_groups=[["body.0.*"], ["body.2.*"]], group_max_grad_norms=[10, 10])
+    with pytest.raises(ValueError, match=r"sqrt\(sum C_k\^2\) = 14.14.*max_grad_norm = 1"):
+        _fit(Net(), strategy)
+
+
 def test_deepspeed_config_gradient_clipping_is_refused():
     cfg = {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 4}
     with pytest.raises(ValueError, match="gradient_clipping"):
