@@ -135,6 +135,23 @@ def test_raw_parameter_not_broadcast_over_the_batch_is_refused_at_the_first_batc
             model(torch.randn(3, 4))
 
 
+def test_view_broadcast_along_another_dimension_is_refused_even_when_shapes_agree():
+    class Offset(nn.Module):  # (1, d) added to (B, T, d): its first dimension meets T, not B
+        def __init__(self, d=4):
+            super().__init__()
+            self.lin = nn.Linear(d, d)
+            self.offset = nn.Parameter(torch.randn(1, d))
+
+        def forward(self, x):
+            return self.lin(x) + self.offset
+
+    model = Offset()
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"\['offset'\].*other examples' outputs"):
+        with engine.micro_batch(batch_size=3):  # T == B == 3: the output equals the original's
+            model(torch.randn(3, 3, 4))
+
+
 def test_forward_with_dropout_passes_the_once_check():
     class Drop(TinyViT):
         def forward(self, x):
@@ -190,3 +207,20 @@ def test_detached_engine_leaves_plain_training_alone():
     engine.detach()
     model(torch.randint(0, 10, (3, 5))).pow(2).mean().backward()  # no guard left behind
     assert model.emb.weight.grad is not None
+
+
+def test_position_indices_without_a_batch_dimension_are_refused():
+    class NanoPos(nn.Module):
+        def __init__(self, T=4, d=3):
+            super().__init__()
+            self.tok = nn.Embedding(10, d)
+            self.pos = nn.Embedding(T, d)
+
+        def forward(self, idx):
+            return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))  # (T,): no batch dimension
+
+    model = NanoPos()
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"Embedding 'pos' received indices of shape \(4,\).*\[None\]"):
+        with engine.micro_batch(batch_size=4):  # T == B: before, this passed as 4 "examples"
+            model(torch.randint(0, 10, (4, 4))).sum().backward()

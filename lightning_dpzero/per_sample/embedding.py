@@ -20,6 +20,8 @@ class EmbeddingRule(LayerRule):
     #: an input with batch dimension 1 in a larger micro-batch (position ids of shape (1, T)) is expanded to
     #: the batch, so each example gets its own copy and its own gradient; the output broadcasts as before
     broadcast_batch = True
+    #: indices ``(B, T, ...)``: a ``(T,)`` index tensor is refused (its length could equal B by chance)
+    min_input_dim = 2
 
     def check(self, module, name):
         for attr, bad in (("max_norm", None), ("sparse", False), ("scale_grad_by_freq", False)):

@@ -299,6 +299,14 @@ class PerSampleEngine:
             return hook.original_forward(x)
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
+        if x.dim() < getattr(hook.rule, "min_input_dim", 1):
+            # a (T,) index such as nanoGPT's pos_emb(torch.arange(T)) has no batch dimension; when T equals the
+            # micro-batch size it would pass the check below and mix examples' gradients
+            raise UnsupportedLayerError(
+                f"{type(hook.module).__name__} '{hook.name}' received indices of shape {tuple(x.shape)}, with no "
+                "batch dimension; per-example clipping needs (B, T) or (1, T) indices (a (1, T) input is used for "
+                "every example): e.g. pos_emb(torch.arange(T, device=x.device)[None]), and (B, 1) for one index "
+                "per example.")
         b = self.expected_batch_size
         if b is not None and x.shape[0] == 1 and b != 1 and getattr(hook.rule, "broadcast_batch", False):
             x = x.expand(b, *x.shape[1:])

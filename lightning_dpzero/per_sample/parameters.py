@@ -12,11 +12,14 @@ All trainable direct parameters of one module form one *site* (one autograd func
 clipping keeps them in one group returned through autograd, like a layer's weight and bias.
 
 The expansion changes the forward's semantics if the forward does anything but broadcast ``P`` over the
-batch (``F.linear(x, P)`` with ``P`` of shape ``(1, d)``, ``P.sum()``). :class:`ParameterHook` therefore
-checks once, on the first clipped micro-batch with two or more examples, that the forward's outputs with
-the per-example views equal those of the original forward under the same random state; a mismatch is
-refused with :class:`~lightning_dpzero.per_sample.base.UnsupportedLayerError` naming the parameters. That
-costs one extra forward of the module without gradients, once. (With one example the views *are* ``P``, so
+batch (``F.linear(x, P)`` with ``P`` of shape ``(1, d)``, ``P.sum()``), and attributes gradients to the
+wrong examples if broadcasting aligns the view's first dimension with another one (a ``(1, d)`` parameter
+added to ``(B, T, d)`` activations when ``T == B``). :class:`ParameterHook` therefore checks once, on the
+first clipped micro-batch with two or more examples, that the forward's outputs with the per-example views
+equal those of the original forward under the same random state, and that perturbing example 0's views
+changes no other example's output; a failure is refused with
+:class:`~lightning_dpzero.per_sample.base.UnsupportedLayerError` naming the parameters. That costs two
+extra forwards of the module without gradients, once. (With one example the views *are* ``P``, so
 the per-example gradient is exact whatever the forward does.)
 """
 
@@ -135,33 +138,69 @@ class ParameterHook(LayerHook):
                 f"{type(self.module).__name__} '{self.name}' uses the parameters {list(self.rule.param_names)} "
                 "directly; their per-example gradients need the batch size: call it with a batch-first tensor "
                 "or inside PerSampleEngine.micro_batch(batch_size=...).")
+        live = [p for p in self.params_ if p.requires_grad]
+        names = [n for n, p in zip(self.rule.param_names, self.params_) if p.requires_grad]
         reference = None
         if not self.verified and b >= 2:
-            devices = [p.device.index for p in self.params_ if p.is_cuda][:1]
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                reference = self.module_forward(*args, **kwargs)
+            reference = self._plain_forward(args, kwargs)
+            self._check_locality(args, kwargs, b, names, live, reference)
         eng._register_site(self)
-        live = [p for p in self.params_ if p.requires_grad]
         views = BroadcastParameterFunction.apply(self, b, *live)
-        names = [n for n, p in zip(self.rule.param_names, self.params_) if p.requires_grad]
-        # Shadow the attributes in the instance dict (found before nn.Module.__getattr__ looks in _parameters):
-        # ``_parameters`` keeps the Parameters, which DeepSpeed ZeRO-3 walks during the forward.
-        shadow = self.module.__dict__
-        try:
-            for n, v in zip(names, views):
-                shadow[n] = v
-            try:
-                out = self.module_forward(*args, **kwargs)
-            except RuntimeError as e:
-                raise self._refusal(f"its forward failed with them ({e})") from e
-        finally:
-            for n in names:
-                shadow.pop(n, None)
+        out = self._forward_with(names, views, args, kwargs)
         if reference is not None:
             if not _same_outputs(reference, out):
                 raise self._refusal("its output changed when they were given per example")
             self.verified = True
         return out
+
+    def _forward_with(self, names, tensors, args, kwargs, grad=True):
+        # Shadow the attributes in the instance dict (found before nn.Module.__getattr__ looks in _parameters):
+        # ``_parameters`` keeps the Parameters, which DeepSpeed ZeRO-3 walks during the forward.
+        shadow = self.module.__dict__
+        try:
+            for n, v in zip(names, tensors):
+                shadow[n] = v
+            if grad:
+                try:
+                    return self.module_forward(*args, **kwargs)
+                except RuntimeError as e:
+                    raise self._refusal(f"its forward failed with them ({e})") from e
+            return self._plain_forward(args, kwargs)
+        finally:
+            for n in names:
+                shadow.pop(n, None)
+
+    def _plain_forward(self, args, kwargs):
+        """The forward without gradients (the engine then stays out of it) under a forked random state, so
+        dropout draws what the real forward will draw."""
+        devices = [p.device.index for p in self.params_ if p.is_cuda][:1]
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            return self.module_forward(*args, **kwargs)
+
+    def _check_locality(self, args, kwargs, b, names, live, reference) -> None:
+        """Perturb example 0's views only: no other example's output may change. Broadcasting that aligns a
+        view's first dimension with anything but the batch (a ``(1, d)`` parameter added to ``(B, T, d)``
+        activations when ``T == B``) gives equal outputs above but is caught here."""
+        gen = torch.Generator(device=live[0].device).manual_seed(0)
+        views = []
+        for p in live:
+            v = p.detach().expand(b, *p.shape[1:]).clone()
+            noise = torch.randn(v[0].shape, generator=gen, device=v.device, dtype=torch.float32)
+            v[0] += (noise * (v[0].float().abs().mean() + 1)).to(v.dtype)
+            views.append(v)
+        try:
+            perturbed = self._forward_with(names, views, args, kwargs, grad=False)
+        except RuntimeError as e:
+            raise self._refusal(f"its forward failed with them ({e})") from e
+        outs = [(u, v) for u, v in zip(tree_flatten(reference)[0], tree_flatten(perturbed)[0])
+                if isinstance(u, torch.Tensor) and u.is_floating_point() and u.dim() >= 1 and u.shape[0] == b]
+        if not outs:
+            raise self._refusal(f"its output has no batch dimension of size {b} to check that each example's "
+                                "view reaches that example's output only")
+        for u, v in outs:
+            if v.shape != u.shape or not torch.allclose(u[1:].float(), v[1:].float(), rtol=1e-4, atol=1e-6):
+                raise self._refusal("changing one example's view changed other examples' outputs (the view's "
+                                    "first dimension is not aligned with the batch)")
 
     def _refusal(self, what: str) -> UnsupportedLayerError:
         return UnsupportedLayerError(
