@@ -2,7 +2,9 @@
 
 from .base import LayerRule, UnsupportedLayerError
 from .clipping import clip_coefficients
+from .diagnostics import PerExampleMismatchError, check_per_example
 from .engine import PerSampleEngine
 from .registry import register_rule
 
-__all__ = ["PerSampleEngine", "LayerRule", "UnsupportedLayerError", "clip_coefficients", "register_rule"]
+__all__ = ["PerSampleEngine", "LayerRule", "UnsupportedLayerError", "clip_coefficients", "register_rule",
+           "check_per_example", "PerExampleMismatchError"]

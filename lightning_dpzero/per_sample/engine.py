@@ -81,6 +81,7 @@ class PerSampleEngine:
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
         self._reset_pass()
         self.reset_stats()
+        self.last_norms: Optional[torch.Tensor] = None
 
     # ---------------------------------------------------------------- attach / validate
     def attach(self) -> "PerSampleEngine":
@@ -420,6 +421,7 @@ class PerSampleEngine:
     def _update_stats(self, norms: torch.Tensor) -> None:
         # "clipped": the example's total norm exceeded C (its update was scaled down).
         n = norms.detach()
+        self.last_norms = n  # the last backward's per-example total norms, (B,) fp32 (diagnostics.py)
         self.stats["examples"] += int(n.numel())
         if not math.isinf(self.max_grad_norm):
             self.stats["clipped"] += int((n > self.max_grad_norm).sum())
