@@ -508,6 +508,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         names = {
             "dp_deepspeed": {},
+            "dp_deepspeed_stage_0": {"stage": 0},
             "dp_deepspeed_stage_1": {"stage": 1},
             "dp_deepspeed_stage_2": {"stage": 2},
             "dp_deepspeed_stage_2_offload": {"stage": 2, "offload_optimizer": True},

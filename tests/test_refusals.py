@@ -119,7 +119,8 @@ def test_bad_strategy_arguments(kwargs, match):
 def test_registered_names():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for name in ("dp_deepspeed", "dp_deepspeed_stage_1", "dp_deepspeed_stage_2", "dp_deepspeed_stage_2_offload",
+    for name in ("dp_deepspeed", "dp_deepspeed_stage_0", "dp_deepspeed_stage_1", "dp_deepspeed_stage_2", "dp_deepspeed_stage_2_offload",
                  "dp_deepspeed_stage_3", "dp_deepspeed_stage_3_offload"):
         assert StrategyRegistry[name]["strategy"] is DPDeepSpeedStrategy
     assert StrategyRegistry["dp_deepspeed_stage_3"]["init_params"]["stage"] == 3
+    assert StrategyRegistry["dp_deepspeed_stage_0"]["init_params"]["stage"] == 0
