@@ -265,7 +265,9 @@ def check_sampler_describable(dataloader: DataLoader) -> None:
     replacement of plain shuffled or sequential batches: PyTorch's ``RandomSampler`` / ``SequentialSampler``
     with its ``BatchSampler``, or the ``DistributedSampler`` Lightning injects for them. A custom sampler or
     batch sampler (weighted, subset, bucketing, curriculum, ...) says which examples to train on and how often;
-    silently dropping it would change the training, and keeping it would invalidate the accounting.
+    silently dropping it would change the training, and keeping it would invalidate the accounting. A plain
+    ``BatchSampler`` passed as ``batch_sampler=`` is refused too: the loader's ``batch_size`` is then None, and
+    that is where the strategy reads the B from which it computes q.
 
     Raises:
         ValueError: naming the sampler's class and the fix (remove it and let the DP strategy sample).
@@ -285,17 +287,29 @@ def check_sampler_describable(dataloader: DataLoader) -> None:
             "sampling (q = B x devices x accumulate_grad_batches / N), which is what the privacy ledger charges.")
     if isinstance(batch_sampler, _ShardedBatchSampler):
         return  # already private
-    sampler, ok = _describe_sampler(getattr(dataloader, "sampler", None))
-    if sampler is None or ok:
-        return
-    cls = type(sampler)
-    raise ValueError(
-        f"The training DataLoader uses the custom sampler {cls.__module__}.{cls.__qualname__}, whose sampling the "
-        "privacy accountant cannot describe (it would be replaced, changing which examples are trained on, or "
-        "kept, invalidating ε). Remove sampler=... (use shuffle=True or nothing): the DP strategy replaces "
-        "sampling with Poisson sampling over the whole dataset (each example in each step with probability q), "
-        "which is what the privacy ledger charges. To train on a subset, pass a torch.utils.data.Subset as the "
-        "dataset so that N is its size.")
+    sampler, ok = _describe_sampler(getattr(batch_sampler, "sampler", None) if batch_sampler is not None
+                                    else getattr(dataloader, "sampler", None))
+    if sampler is not None and not ok:
+        cls = type(sampler)
+        raise ValueError(
+            f"The training DataLoader uses the custom sampler {cls.__module__}.{cls.__qualname__}, whose sampling the "
+            "privacy accountant cannot describe (it would be replaced, changing which examples are trained on, or "
+            "kept, invalidating ε). Remove sampler=... (use shuffle=True or nothing): the DP strategy replaces "
+            "sampling with Poisson sampling over the whole dataset (each example in each step with probability q), "
+            "which is what the privacy ledger charges. To train on a subset, pass a torch.utils.data.Subset as the "
+            "dataset so that N is its size.")
+    if batch_sampler is not None and getattr(dataloader, "batch_size", None) != batch_sampler.batch_size:
+        # batch_sampler=BatchSampler(...) given explicitly: the DataLoader's own batch_size is then None, not
+        # the B the user meant. (Lightning's DistributedSampler injection, Trainer(use_distributed_sampler=True),
+        # drops such a batch sampler and rebuilds the loader with batch_size=1 before any strategy hook sees it.)
+        raise ValueError(
+            f"The training DataLoader was built with batch_sampler=BatchSampler(sampler, "
+            f"batch_size={batch_sampler.batch_size}, ...): the DP strategy replaces the batch sampler with Poisson "
+            "sampling and takes the per-device micro-batch B from the DataLoader's batch_size, which is "
+            f"{getattr(dataloader, 'batch_size', None)!r} here, so q and the batches would not be the ones you "
+            f"asked for. Remove batch_sampler=... and build the DataLoader with "
+            f"batch_size={batch_sampler.batch_size} (shuffle as you like; the order is replaced): q = B x devices "
+            "x accumulate_grad_batches / N is what the privacy ledger charges.")
 
 
 def poisson_sample_rate(batch_size: int, num_replicas: int, accumulate_grad_batches: int,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 from torch import nn
-from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, SubsetRandomSampler,
+from torch.utils.data import (BatchSampler, DataLoader, SequentialSampler, SubsetRandomSampler,
                               TensorDataset, WeightedRandomSampler)
 from torch.utils.data.distributed import DistributedSampler
 
@@ -250,7 +250,6 @@ def test_check_sampler_describable_accepts_plain_sampling():
     ds = _dataset()
     for loader in [DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=4, shuffle=True),
                    DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, num_replicas=2, rank=0)),
-                   DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 4, False)),
                    private_dataloader(DataLoader(ds, batch_size=4), 0.125, 1, 0)]:
         check_sampler_describable(loader)
 
@@ -260,6 +259,8 @@ def test_check_sampler_describable_accepts_plain_sampling():
     (lambda ds: DataLoader(ds, batch_size=4, sampler=SubsetRandomSampler(range(8))), "SubsetRandomSampler"),
     (lambda ds: DataLoader(ds, batch_size=4, sampler=MySampler(N)), "MySampler"),
     (lambda ds: DataLoader(ds, batch_sampler=MyBatchSampler(SequentialSampler(ds), 4, False)), "MyBatchSampler"),
+    (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(WeightedRandomSampler([1.0] * N, N), 1, False)),
+     "WeightedRandomSampler"),
     (lambda ds: DataLoader(ds, batch_size=4, sampler=_lightning_wrapped(MySampler(N))), "MySampler"),
 ])
 def test_check_sampler_describable_refuses_custom_samplers(make, name):

@@ -240,3 +240,75 @@ def test_dataset_size_refusals():
         dataset_size(DataLoader(NoLen()))
     with pytest.raises(TypeError, match="IterableDataset"):
         private_dataloader(DataLoader(Stream()), 0.1, 1, 0)
+
+
+# ------------------------------------------------------------------------------------------ explicit batch_sampler
+def _fit_tiny(loader_fn, **trainer_kw):
+    """Fit a tiny model for 2 steps on CPU with the DP strategy; returns (strategy, micro-batches run)."""
+    import lightning as L
+    from torch import nn
+
+    from lightning_dpzero import DPDeepSpeedStrategy
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body, self.micro_batches = nn.Linear(4, 2), 0
+
+        def training_step(self, batch, _):
+            self.micro_batches += 1
+            x, y = batch
+            return nn.functional.cross_entropy(self.body(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return loader_fn(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))))
+
+    model, strategy = Tiny(), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_steps=2, **trainer_kw)
+    trainer.fit(model)
+    return strategy, model.micro_batches
+
+
+def _batch_sampler_loader(ds):
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    return DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 8, False))
+
+
+def test_explicit_batch_sampler_refused_naming_the_fix():
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    from lightning_dpzero.sampling import check_sampler_describable
+
+    ds = TensorDataset(torch.zeros(32, 2))
+    for inner in (SequentialSampler(ds), RandomSampler(ds)):
+        with pytest.raises(ValueError, match=r"batch_sampler=BatchSampler\(sampler, batch_size=8.*None.*"
+                                             r"Remove batch_sampler=.*batch_size=8.*privacy ledger"):
+            check_sampler_describable(DataLoader(ds, batch_sampler=BatchSampler(inner, 8, False)))
+    # the same batches asked for the ordinary way are accepted
+    check_sampler_describable(DataLoader(ds, batch_size=8))
+    check_sampler_describable(DataLoader(ds, batch_size=8, shuffle=True))
+
+
+def test_explicit_batch_sampler_refused_before_training():
+    """Without Lightning's sampler injection the strategy sees the user's loader: refused before any step."""
+    with pytest.raises(ValueError, match=r"batch_sampler=BatchSampler.*batch_size=8"):
+        _fit_tiny(_batch_sampler_loader, use_distributed_sampler=False)
+
+
+@pytest.mark.xfail(strict=True, reason="Lightning's DistributedSampler injection rebuilds the loader as "
+                   "DataLoader(batch_size=1) before the strategy sees it; needs the strategy to turn the injection "
+                   "off for the training loader")
+def test_explicit_batch_sampler_refused_with_lightning_sampler_injection():
+    with pytest.raises(ValueError, match=r"batch_sampler=BatchSampler.*batch_size=8"):
+        _fit_tiny(_batch_sampler_loader)
+
+
+@pytest.mark.parametrize("trainer_kw", [{}, {"use_distributed_sampler": False}])
+def test_plain_shuffled_loader_trains_with_its_batch_size(trainer_kw):
+    strategy, micro = _fit_tiny(lambda ds: DataLoader(ds, batch_size=8, shuffle=True), **trainer_kw)
+    assert micro == 2 and strategy.plan.sample_rate == 8 / 64 and strategy.plan.expected_batch_size == 8
