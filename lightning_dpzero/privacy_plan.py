@@ -82,12 +82,29 @@ class PrivacyPlan:
                              "PrivacyAccountantCallback(target_epsilon=..., delta=...) to calibrate σ.")
         if sigma == 0:
             rank_zero_warn("noise_multiplier=0: gradients are clipped but not noised, so ε is infinite.")
+        sampler_kind = loader.batch_sampler.sampler_kind
+        if sampler_kind == "shuffle" and sigma > 0:
+            warn_shuffle_accounting()
         if delta >= 1.0 / n:
             rank_zero_warn(f"delta={delta} >= 1/N = {1.0 / n:.3g}: such a δ allows leaking a whole example; "
                            "use δ well below 1/N.")
         return cls(dataset_size=n, sample_rate=q, expected_batch_size=q * n, noise_multiplier=float(sigma),
-                   delta=delta, planned_steps=planned, sampler_kind=loader.batch_sampler.sampler_kind,
+                   delta=delta, planned_steps=planned, sampler_kind=sampler_kind,
                    accountant=accountant, target_epsilon=target)
+
+
+SHUFFLE_ACCOUNTING_WARNING = (
+    "poisson_sampling=False: training on shuffled fixed-size batches, but the privacy accountant assumes Poisson "
+    "subsampling (each example in each step independently with probability q). Shuffled batches are not what it "
+    "analyses, and the reported ε can be optimistic, i.e. smaller than the true privacy loss (Chua et al. 2024, "
+    "\"How Private are DP-SGD Implementations?\"). Use poisson_sampling=True (the default) for a guarantee that "
+    "holds as reported.")
+
+
+def warn_shuffle_accounting() -> None:
+    """Warn, on rank 0, that shuffled batches are accounted as if Poisson-subsampled. `PrivacyPlan.build` calls it
+    once per fit when the loader has the shuffle sampler and σ > 0."""
+    rank_zero_warn(SHUFFLE_ACCOUNTING_WARNING)
 
 
 def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str) -> int:

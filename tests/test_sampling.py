@@ -243,7 +243,7 @@ def test_dataset_size_refusals():
 
 
 # ------------------------------------------------------------------------------------------ explicit batch_sampler
-def _fit_tiny(loader_fn, **trainer_kw):
+def _fit_tiny(loader_fn, strategy_kw=None, **trainer_kw):
     """Fit a tiny model for 2 steps on CPU with the DP strategy; returns (strategy, micro-batches run)."""
     import lightning as L
     from torch import nn
@@ -266,7 +266,8 @@ def _fit_tiny(loader_fn, **trainer_kw):
         def train_dataloader(self):
             return loader_fn(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))))
 
-    model, strategy = Tiny(), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0)
+    model = Tiny()
+    strategy = DPDeepSpeedStrategy(**{"stage": 2, "noise_multiplier": 1.0, **(strategy_kw or {})})
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, max_steps=2, **trainer_kw)
     trainer.fit(model)
@@ -312,3 +313,24 @@ def test_explicit_batch_sampler_refused_with_lightning_sampler_injection():
 def test_plain_shuffled_loader_trains_with_its_batch_size(trainer_kw):
     strategy, micro = _fit_tiny(lambda ds: DataLoader(ds, batch_size=8, shuffle=True), **trainer_kw)
     assert micro == 2 and strategy.plan.sample_rate == 8 / 64 and strategy.plan.expected_batch_size == 8
+
+
+# ------------------------------------------------------------------------------------------ shuffle accounting warning
+def _shuffle_warnings(record):
+    return [w for w in record if "assumes Poisson subsampling" in str(w.message)]
+
+
+@pytest.mark.parametrize("sigma, warned", [(1.0, True), (0.0, False)])
+def test_shuffled_batches_warn_that_epsilon_assumes_poisson(recwarn, sigma, warned):
+    loader = lambda ds: DataLoader(ds, batch_size=8, shuffle=True)  # noqa: E731
+    strategy, _ = _fit_tiny(loader, strategy_kw={"poisson_sampling": False, "noise_multiplier": sigma})
+    assert strategy.plan.sampler_kind == "shuffle"
+    found = _shuffle_warnings(recwarn)
+    assert len(found) == (1 if warned else 0)
+    if warned:
+        assert "optimistic" in str(found[0].message) and "Chua et al. 2024" in str(found[0].message)
+
+
+def test_poisson_batches_do_not_warn(recwarn):
+    strategy, _ = _fit_tiny(lambda ds: DataLoader(ds, batch_size=8, shuffle=True))
+    assert strategy.plan.sampler_kind == "poisson" and not _shuffle_warnings(recwarn)
