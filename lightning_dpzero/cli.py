@@ -315,13 +315,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``lightning-dpzero``: ``ledger ...`` subcommands, else the Lightning CLI.
 
     Returns the exit status (the console script passes it to ``sys.exit``); argument errors and ``--help``
-    raise ``SystemExit`` as usual.
+    raise ``SystemExit`` as usual. When stdout's reader goes away (``... | head``) it exits quietly with
+    status 141 (128 + SIGPIPE), without a traceback.
     """
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] == "ledger":
-        return ledger_main(args[1:])
-    lightning_main(argv)  # None: LightningCLI reads sys.argv itself (and warns if given both)
-    return 0
+    try:
+        if args and args[0] == "ledger":
+            status = ledger_main(args[1:])
+        else:
+            lightning_main(argv)  # None: LightningCLI reads sys.argv itself (and warns if given both)
+            status = 0
+        sys.stdout.flush()  # a closed pipe shows up here for buffered output: catch it below, not at exit
+        return status
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for `cat`, `ls`, ... when the reader goes away
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``lightning-dpzero ledger show ... | head``): stop quietly, as standard
+    Unix tools do, instead of printing a BrokenPipeError traceback. stdout is pointed at /dev/null so that the
+    interpreter's final flush of the unwritten buffer does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a file descriptor
+        pass
+    return SIGPIPE_STATUS
 
 
 if __name__ == "__main__":

@@ -175,3 +175,18 @@ def test_plot_without_matplotlib_says_so(ledger_file, tmp_path, capsys, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
     assert main(["ledger", "plot", str(path), "-o", str(tmp_path / "eps.png")]) == 1
     assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_closed_stdout_pipe_exits_quietly(ledger_file):
+    """`lightning-dpzero ledger show ... | head`: the reader goes away; no BrokenPipeError traceback."""
+    import subprocess
+
+    _, path = ledger_file
+    code = "import sys; from lightning_dpzero.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "ledger", "show", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line is written (imports take seconds)
+    _, err = proc.communicate(timeout=300)
+    err = err.decode()
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
+    assert proc.returncode == 141
