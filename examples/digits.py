@@ -9,7 +9,9 @@ fixed seed into 1,500 training and 297 test images. Model: Conv2d + GroupNorm + 
 batch statistics mix examples and so cannot be clipped per example).
 
 The last line printed (by rank 0 only) is ``accuracy=A epsilon=E delta=D``: test accuracy of the DP model,
-the epsilon actually spent (exact, from the privacy ledger) and delta.
+the epsilon actually spent (exact, from the privacy ledger) and delta. From YAML
+(``lightning-dpzero fit --config examples/configs/digits.yaml``) ``DigitsCNN(print_summary=True)`` prints the
+same line at the end of fit.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 import lightning_dpzero  # noqa: F401  (registers the dp_deepspeed* strategies)
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
 
+try:
+    from ._common import privacy_spent
+except ImportError:  # run as a script: python examples/digits.py
+    from _common import privacy_spent
+
 N_TRAIN = 1500
 SPLIT_SEED = 0
 
@@ -56,9 +63,14 @@ def digits_datasets() -> tuple[TensorDataset, TensorDataset]:
 
 
 class DigitsCNN(L.LightningModule):
-    """Conv(1→16) → GroupNorm → ReLU → Conv(16→32, stride 2) → GroupNorm → ReLU → Linear(512→10)."""
+    """Conv(1→16) → GroupNorm → ReLU → Conv(16→32, stride 2) → GroupNorm → ReLU → Linear(512→10).
 
-    def __init__(self, lr: float = 1.0, batch_size: int = 64, momentum: float = 0.0) -> None:
+    ``print_summary=True`` (set by ``examples/configs/digits.yaml``): rank 0 prints
+    ``accuracy=A epsilon=E delta=D`` at the end of fit, as ``python examples/digits.py`` does.
+    """
+
+    def __init__(self, lr: float = 1.0, batch_size: int = 64, momentum: float = 0.0,
+                 print_summary: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -81,7 +93,16 @@ class DigitsCNN(L.LightningModule):
         # cannot yet run trainer.test/validate on the CPU (DeepSpeed's inference init gets device_rank=None).
         x, y = batch
         self.test_acc(self(x).argmax(-1), y)
-        self.log("test_acc", self.test_acc, on_step=False, on_epoch=True, batch_size=len(y))
+        self.log("test_acc", self.test_acc, on_step=False, on_epoch=True, batch_size=len(y), prog_bar=True)
+
+    def on_fit_end(self) -> None:
+        if not self.hparams.print_summary:
+            return
+        acc = self.trainer.callback_metrics.get("test_acc")  # synced over ranks by torchmetrics
+        eps, delta = privacy_spent(self.trainer)
+        if self.trainer.is_global_zero:
+            acc_s = f"{float(acc):.2f}" if acc is not None else "nan"  # nan: the test split was never scored
+            print(f"accuracy={acc_s} epsilon={eps:.2f} delta={delta:g}", flush=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)

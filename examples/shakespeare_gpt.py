@@ -4,7 +4,7 @@ Run it from the repository root through the Lightning CLI (ZeRO-3, 2 CPU process
 
     lightning-dpzero fit --config examples/configs/shakespeare_gpt.yaml
     python examples/shakespeare_gpt.py                 # the same, with that config
-    python examples/shakespeare_gpt.py --trainer.max_steps=3   # any LightningCLI override
+    python examples/shakespeare_gpt.py --trainer.max_steps=3 --trainer.val_check_interval=3   # any override
 
 Data: ``examples/data/tinyshakespeare.txt`` (public domain; see ``examples/data/README.md``), read as
 bytes (ASCII, so one byte is one character; the vocabulary is the 256 byte values). The first 90% of the

@@ -177,18 +177,35 @@ def test_minilm_full_finetune_from_the_script(tmp_path):
     assert 7.9 <= float(m.group(3)) <= 8.0
 
 
+DIGITS_LINE = re.compile(r"^accuracy=(\S+) epsilon=(\S+) delta=(\S+)$", re.M)
+
+
 @pytest.mark.slow
 def test_digits_yaml(tmp_path):
-    run(console_script() + [
+    out = run(console_script() + [
         "fit", "--config", "examples/configs/digits.yaml", "--trainer.max_epochs=1",
         "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
         "--trainer.log_every_n_steps=1"])
-    rows = list(csv.DictReader((csv_log_dir(tmp_path) / "metrics.csv").open()))
+    log_dir = csv_log_dir(tmp_path)
+    rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
     eps = [float(r["epsilon"]) for r in rows if r.get("epsilon")]
     acc = [float(r["test_acc"]) for r in rows if r.get("test_acc")]
     assert eps and 7.9 <= eps[-1] <= 8.0 * 1.02  # per-step epsilon: at most ~2% above the exact value
     assert len(acc) == 1 and 0.0 <= acc[0] <= 1.0
+    # the run prints its result (the config sets print_summary), once, from rank 0: exact epsilon
+    lines = DIGITS_LINE.findall(out)
+    assert len(lines) == 1, out[-3000:]
+    assert float(lines[0][0]) == pytest.approx(acc[0], abs=0.005) and 7.9 <= float(lines[0][1]) <= 8.0
+    assert (log_dir / "config.yaml").is_file()  # SaveConfigCallback writes into the log dir
+
+
+def test_digits_yaml_saves_its_config_under_lightning_logs():
+    """Without a logger the CLI saves config.yaml into default_root_dir: not the (git-tracked) cwd."""
+    import yaml
+
+    trainer = yaml.safe_load((ROOT / "examples" / "configs" / "digits.yaml").read_text())["trainer"]
+    assert trainer["logger"] is False and trainer["default_root_dir"].startswith("lightning_logs/")
 
 
 def math_finite(x: float) -> bool:
