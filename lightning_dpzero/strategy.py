@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from torch.utils.data import DistributedSampler
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -217,6 +218,12 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if batch_size is None:
             raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
                              "micro-batch): the DP sampler replaces its sampler and needs B to set q.")
+        if batch_size == 1 and isinstance(getattr(dataloader, "sampler", None), DistributedSampler):
+            rank_zero_warn(
+                "The training DataLoader has batch_size=1 after Lightning's DistributedSampler injection, so the "
+                "sample rate q is set for micro-batches of 1 example. If you built it with batch_sampler="
+                "BatchSampler(...), Lightning dropped that batch sampler: pass batch_size=B instead (the DP sampler "
+                "replaces the sampling anyway), or set Trainer(use_distributed_sampler=False) to have it refused.")
         k = trainer.accumulate_grad_batches
         q = poisson_sample_rate(batch_size, self.world_size, k, n)
         loader = private_dataloader(dataloader, q, self.world_size, self.global_rank, k, seed=self.seed,
