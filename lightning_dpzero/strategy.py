@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -253,13 +254,31 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             self.per_sample.expected_batch_size = extract_batch_size(args[0]) if args else None
             self.per_sample.new_forward()
         if self.per_sample is None or self.per_sample.expected_batch_size != 0:
-            return self._check_finite_loss(super().training_step(*args, **kwargs))
+            with self._explain_released_parameters():
+                return self._check_finite_loss(super().training_step(*args, **kwargs))
         # An empty Poisson batch is a valid noise-only step that every rank must run (collectives). The mean
         # loss over no examples is NaN: its self.log calls are dropped, so no epoch mean turns NaN, and the
         # loss handed to backward is 0 (its gradient is exactly zero either way).
-        with _logging_suppressed(self.lightning_module):
+        with _logging_suppressed(self.lightning_module), self._explain_released_parameters():
             out = super().training_step(*args, **kwargs)
         return self._check_finite_loss(_zero_loss(out))
+
+    @contextlib.contextmanager
+    def _explain_released_parameters(self):
+        """ZeRO-3 gathers a parameter only inside the forward of the module that owns it; used elsewhere (in
+        training_step) it is an empty partition and PyTorch reports a bare size mismatch against 0."""
+        try:
+            yield
+        except RuntimeError as e:
+            msg = str(e)
+            if self.zero_stage != 3 or not re.search(r"(size|shape)[^\n]*\b0\b", msg):
+                raise
+            raise RuntimeError(
+                f"{msg}\n\nUnder ZeRO-3 (DeepSpeed stage 3) a parameter holds data only inside the forward of the "
+                "module that owns it; if training_step (outside any forward) uses a parameter, e.g. a learned "
+                "temperature self.log_t.exp(), that parameter is an empty partition there. Use it inside a "
+                "module's forward instead (a parameter used outside its layer is refused by the DP engine anyway, "
+                "since its gradient would not be clipped per example).") from e
 
     def _check_finite_loss(self, out):
         """Stop on a NaN/inf loss (any rank; all ranks agree in one all-reduce), with the step charged.

@@ -124,3 +124,32 @@ def test_registered_names():
         assert StrategyRegistry[name]["strategy"] is DPDeepSpeedStrategy
     assert StrategyRegistry["dp_deepspeed_stage_3"]["init_params"]["stage"] == 3
     assert StrategyRegistry["dp_deepspeed_stage_0"]["init_params"]["stage"] == 0
+
+
+class Temperature(Net):
+    def __init__(self):
+        super().__init__()
+        self.log_t = nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.cross_entropy(self.body(x) / self.log_t.exp(), y)  # a parameter outside any forward
+
+
+def test_released_zero3_parameter_size_error_is_explained():
+    # With several processes a parameter used outside its module's forward is an empty ZeRO-3 partition there,
+    # and PyTorch's error mentions only sizes; the strategy adds what happened and the fix.
+    strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match=r"(?s)size of tensor b \(0\).*ZeRO-3.*training_step"):
+        with strategy._explain_released_parameters():
+            raise RuntimeError("The size of tensor a (10) must match the size of tensor b (0) at non-singleton "
+                               "dimension 0")
+    with pytest.raises(RuntimeError, match="^boom$"):  # other errors pass through untouched
+        with strategy._explain_released_parameters():
+            raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parameter_used_in_training_step_is_refused(stage):
+    with pytest.raises(UnsupportedLayerError, match="'log_t' received a gradient that did not pass"):
+        _fit(Temperature(), DPDeepSpeedStrategy(stage=stage, noise_multiplier=1.0))
