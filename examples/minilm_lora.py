@@ -21,9 +21,9 @@ Model: the 6-layer, 384-wide BERT encoder of all-MiniLM-L6-v2 (22.7M parameters)
 attention mask as sentence-transformers does, and a linear head. With ``lora_r > 0`` (default) the encoder
 is frozen and ``peft`` adds LoRA adapters (two plain ``nn.Linear`` each) to the attention projections;
 only the adapters and the head train, and frozen weights cost the per-example engine nothing. With
-``full_finetune=True`` every weight trains; the positions and token types are then passed explicitly as
-(B, T) tensors so that every embedding's input is batch first (BERT otherwise looks up a (1, T)
-``position_ids`` buffer, which per-example clipping refuses).
+``full_finetune=True`` every weight trains, the embeddings too; positions and token types are passed
+explicitly as (B, T) tensors (BERT's own (1, T) ``position_ids`` buffer would work as well: the engine
+expands a batch-1 embedding input per example).
 
 The last line rank 0 prints is ``accuracy=A majority=M epsilon=E delta=D trainable=P wall_time=Ts``.
 """
@@ -185,8 +185,8 @@ class MiniLMClassifier(L.LightningModule):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
-        # Positions and token types as (B, T): BERT would otherwise index its embeddings with a (1, T) buffer,
-        # and per-example clipping needs the batch first in every trainable layer's input.
+        # Positions and token types as (B, T), batch first like every trainable layer's input (a (1, T) index
+        # is also accepted and expanded per example).
         position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         token_type_ids = torch.zeros_like(input_ids)
         h = self.encoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
