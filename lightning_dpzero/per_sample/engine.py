@@ -45,7 +45,9 @@ class PerSampleEngine:
     """Per-example clipping for every trainable parameter of ``module``.
 
     Args:
-        module: any ``nn.Module``; every trainable parameter must belong to a supported layer.
+        module: any ``nn.Module``; every trainable parameter must belong to a supported layer, or be a
+            parameter of shape ``(1, ...)`` that its module's forward broadcasts over the batch (class token,
+            position embedding; ``parameters.py``).
         max_grad_norm: C, the bound on each example's total gradient norm (``math.inf``: no clipping).
         clipping: ``"layer-wise"`` (one group per layer), ``"all-layer"`` (one group) or ``"group-wise"``.
         clipping_fn: ``"abadi"`` (``min(1, C/‖g‖)``) or ``"automatic"`` (``C/(‖g‖+γ)``).
@@ -58,7 +60,9 @@ class PerSampleEngine:
         group_max_grad_norms: thresholds C_k per group; default C/sqrt(K), so that sqrt(Σ C_k²) = C.
 
     Raises:
-        UnsupportedLayerError: from :meth:`attach`, naming each trainable parameter no rule covers.
+        UnsupportedLayerError: from :meth:`attach`, naming each trainable parameter no rule covers; during a
+            backward, naming a parameter whose gradient did not come through the engine (used outside its
+            layer's forward, or a forward run in ``eval()`` mode), before that gradient is accumulated.
         ValueError: for a bad setting or a parameter no group claims.
     """
 
