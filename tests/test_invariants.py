@@ -44,6 +44,9 @@ def _cases(world_size):
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
     cases.append(dict(BASE, name="i2_vit_lw_s3_a2", model="vit", stage=3, accumulate=2))
     cases.append(dict(BASE, name="i2_vit_al_s2", model="vit", stage=2, clipping="all-layer"))
+    # one expected example per rank: ranks' first micro-batches differ in size, yet the once-per-module check of
+    # the raw parameters must run the same number of (collective, ZeRO-3) forwards on each
+    cases.append(dict(BASE, name="i2_vit_small_s3", model="vit", stage=3, batch_size=1, steps=4))
     # I3: zero per-example gradients, so the update is lr × noise; one wide layer gives 33k coordinates
     for stage, acc in ((0, 1), (1, 1), (2, 2), (3, 1)):
         cases.append(dict(BASE, name=f"i3_s{stage}_a{acc}", model="wide", stage=stage, accumulate=acc,

@@ -152,6 +152,39 @@ def test_view_broadcast_along_another_dimension_is_refused_even_when_shapes_agre
             model(torch.randn(3, 3, 4))
 
 
+def test_view_of_another_example_is_refused():
+    class LastRow(TinyViT):  # every example reads the last example's position embedding view
+        def forward(self, x):
+            h = self.patch(x).flatten(2).transpose(1, 2)
+            return self.head(torch.tanh(self.ln(h + self.pos_embed[-1, 1:] + self.cls_token[-1]))).mean(1)
+
+    model = LastRow()
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match="changed other examples' outputs"):
+        with engine.micro_batch(batch_size=5):
+            model(torch.randn(5, 1, 8, 8))
+
+
+def test_forward_that_updates_its_input_in_place_is_not_run_on_it_twice():
+    class AddInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.randn(1, 3, 4))
+
+        def forward(self, h):
+            h += self.pos
+            return h
+
+    torch.manual_seed(6)
+    model = nn.Sequential(AddInPlace(), nn.Linear(4, 2))
+    x = torch.randn(4, 3, 4)
+    expected = model(x.clone())
+    engine = PerSampleEngine(model).attach()
+    with engine.micro_batch(batch_size=4):
+        out = model(x.clone())
+    torch.testing.assert_close(out, expected)
+
+
 def test_forward_with_dropout_passes_the_once_check():
     class Drop(TinyViT):
         def forward(self, x):

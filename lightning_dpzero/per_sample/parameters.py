@@ -14,13 +14,16 @@ clipping keeps them in one group returned through autograd, like a layer's weigh
 The expansion changes the forward's semantics if the forward does anything but broadcast ``P`` over the
 batch (``F.linear(x, P)`` with ``P`` of shape ``(1, d)``, ``P.sum()``), and attributes gradients to the
 wrong examples if broadcasting aligns the view's first dimension with another one (a ``(1, d)`` parameter
-added to ``(B, T, d)`` activations when ``T == B``). :class:`ParameterHook` therefore checks once, on the
-first clipped micro-batch with two or more examples, that the forward's outputs with the per-example views
-equal those of the original forward under the same random state, and that perturbing example 0's views
-changes no other example's output; a failure is refused with
-:class:`~lightning_dpzero.per_sample.base.UnsupportedLayerError` naming the parameters. That costs two
-extra forwards of the module without gradients, once. (With one example the views *are* ``P``, so
-the per-example gradient is exact whatever the forward does.)
+added to ``(B, T, d)`` activations when ``T == B``, or indexing such as ``pos_embed[-1]``).
+:class:`ParameterHook` therefore checks once per module, at the first clipped micro-batch of two or more
+examples, that the forward's outputs with the per-example views equal those of the original forward under the same
+random state, and that perturbing the views of a set of examples changes no other example's output
+(``2 * CHECK_BITS`` sets); a failure is refused with
+:class:`~lightning_dpzero.per_sample.base.UnsupportedLayerError` naming the parameters. That costs
+``1 + 2 * CHECK_BITS`` extra forwards of the module without gradients, once, on copies of its inputs.
+(With one example the views *are* ``P``, so its per-example gradient is exact whatever the forward does.)
+Under ZeRO-3 on several processes forwards gather parameters collectively, so every rank runs the check at
+its first clipped micro-batch, whatever its size, comparing only where it has two or more examples.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .base import LayerHook, LayerRule, UnsupportedLayerError, param_shape
+
+
+#: perturbation rounds of the once-per-module locality check: 2 * CHECK_BITS forwards without gradients
+CHECK_BITS = 6
 
 
 def broadcast_candidates(module: nn.Module) -> list[str]:
@@ -141,17 +148,25 @@ class ParameterHook(LayerHook):
         live = [p for p in self.params_ if p.requires_grad]
         names = [n for n, p in zip(self.rule.param_names, self.params_) if p.requires_grad]
         reference = None
-        if not self.verified and b >= 2:
+        if not self.verified and (b >= 2 or self._collective_forward()):
+            # Under ZeRO-3 on several ranks each forward gathers parameters collectively, so every rank checks on
+            # its first clipped micro-batch with the same number of forwards whatever its B; otherwise the check
+            # waits for a micro-batch of two or more examples.
             reference = self._plain_forward(args, kwargs)
             self._check_locality(args, kwargs, b, names, live, reference)
         eng._register_site(self)
         views = BroadcastParameterFunction.apply(self, b, *live)
         out = self._forward_with(names, views, args, kwargs)
         if reference is not None:
-            if not _same_outputs(reference, out):
+            if b >= 2 and not _same_outputs(reference, out):
                 raise self._refusal("its output changed when they were given per example")
             self.verified = True
         return out
+
+    def _collective_forward(self) -> bool:
+        dist = torch.distributed
+        return (any(hasattr(p, "ds_id") for p in self.params_)  # a DeepSpeed ZeRO-3 parameter
+                and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
     def _forward_with(self, names, tensors, args, kwargs, grad=True):
         # Shadow the attributes in the instance dict (found before nn.Module.__getattr__ looks in _parameters):
@@ -174,33 +189,49 @@ class ParameterHook(LayerHook):
         """The forward without gradients (the engine then stays out of it) under a forked random state, so
         dropout draws what the real forward will draw."""
         devices = [p.device.index for p in self.params_ if p.is_cuda][:1]
+        # fresh copies of the inputs: a forward that updates its input in place must not see it twice
+        args, kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             return self.module_forward(*args, **kwargs)
 
     def _check_locality(self, args, kwargs, b, names, live, reference) -> None:
-        """Perturb example 0's views only: no other example's output may change. Broadcasting that aligns a
-        view's first dimension with anything but the batch (a ``(1, d)`` parameter added to ``(B, T, d)``
-        activations when ``T == B``) gives equal outputs above but is caught here."""
-        gen = torch.Generator(device=live[0].device).manual_seed(0)
-        views = []
-        for p in live:
-            v = p.detach().expand(b, *p.shape[1:]).clone()
-            noise = torch.randn(v[0].shape, generator=gen, device=v.device, dtype=torch.float32)
-            v[0] += (noise * (v[0].float().abs().mean() + 1)).to(v.dtype)
-            views.append(v)
-        try:
-            perturbed = self._forward_with(names, views, args, kwargs, grad=False)
-        except RuntimeError as e:
-            raise self._refusal(f"its forward failed with them ({e})") from e
+        """Perturb the views of a set S of examples: no example outside S may see its output change. With S
+        and its complement for each of ``CHECK_BITS`` bits of a fixed permutation of the example indices,
+        any forward in which some example's output reads another example's view is caught (exactly for
+        B <= 2**CHECK_BITS): broadcasting that aligns a view's first dimension with another one (a ``(1, d)``
+        parameter added to ``(B, T, d)`` when ``T == B``), or indexing such as ``pos_embed[-1]``. The
+        outputs with unperturbed views equal the original's, so those checks pass unnoticed otherwise."""
+        gen = torch.Generator().manual_seed(0)
+        order = torch.randperm(max(b, 1), generator=gen)[:b]
+        for bit in range(CHECK_BITS):
+            for side in (0, 1):
+                chosen = ((order >> bit) & 1) == side  # (b,) examples whose views are perturbed
+                views = []
+                for p in live:
+                    v = p.detach().expand(b, *p.shape[1:]).clone()
+                    noise = torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v.device)
+                    scale = v.float().abs().mean() + 1 if v.numel() else 1.0
+                    shape = (-1, *[1] * (v.dim() - 1))
+                    v += (noise * scale * chosen.to(v.device).view(shape)).to(v.dtype)
+                    views.append(v)
+                try:
+                    perturbed = self._forward_with(names, views, args, kwargs, grad=False)
+                except RuntimeError as e:
+                    raise self._refusal(f"its forward failed with them ({e})") from e
+                if b >= 2:
+                    self._compare_untouched(reference, perturbed, b, ~chosen)
+
+    def _compare_untouched(self, reference, perturbed, b, keep) -> None:
         outs = [(u, v) for u, v in zip(tree_flatten(reference)[0], tree_flatten(perturbed)[0])
                 if isinstance(u, torch.Tensor) and u.is_floating_point() and u.dim() >= 1 and u.shape[0] == b]
         if not outs:
             raise self._refusal(f"its output has no batch dimension of size {b} to check that each example's "
                                 "view reaches that example's output only")
         for u, v in outs:
-            if v.shape != u.shape or not torch.allclose(u[1:].float(), v[1:].float(), rtol=1e-4, atol=1e-6):
-                raise self._refusal("changing one example's view changed other examples' outputs (the view's "
-                                    "first dimension is not aligned with the batch)")
+            rows = keep.to(u.device)
+            if v.shape != u.shape or not torch.allclose(u[rows].float(), v[rows].float(), rtol=1e-4, atol=1e-6):
+                raise self._refusal("changing some examples' views changed other examples' outputs (an example's "
+                                    "output reads another example's view)")
 
     def _refusal(self, what: str) -> UnsupportedLayerError:
         return UnsupportedLayerError(
