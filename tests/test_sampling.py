@@ -246,23 +246,11 @@ def test_dataset_size_refusals():
 def _fit_tiny(loader_fn, strategy_kw=None, **trainer_kw):
     """Fit a tiny model for 2 steps on CPU with the DP strategy; returns (strategy, micro-batches run)."""
     import lightning as L
-    from torch import nn
+    from test_budget import Net  # a small module counting its micro-batches
 
     from lightning_dpzero import DPDeepSpeedStrategy
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.body, self.micro_batches = nn.Linear(4, 2), 0
-
-        def training_step(self, batch, _):
-            self.micro_batches += 1
-            x, y = batch
-            return nn.functional.cross_entropy(self.body(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    class Tiny(Net):
         def train_dataloader(self):
             return loader_fn(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))))
 
