@@ -43,7 +43,7 @@ from .checkpoint import (  # noqa: F401  (some re-exported: the strategy's publi
     write_commit)
 from .noise import NoiseSource, make_noise_pre_hook
 from .per_sample import PerSampleEngine
-from .per_sample.clipping import validate_clipping
+from .per_sample.clipping import validate_clipping, validate_group_thresholds
 from .privacy_plan import PrivacyPlan
 from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
 
@@ -79,7 +79,8 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             every stage), ``"all-layer"`` (one norm over all layers; book-keeping) or ``"group-wise"``.
         clipping_groups: for group-wise: lists of parameter-name patterns (``fnmatch``, e.g.
             ``[["encoder.*"], ["head.*"]]``), or ``"param_groups"`` for the optimizer's parameter groups.
-        group_max_grad_norms: per-group thresholds C_k; default C/√K (so that √(Σ C_k²) = C).
+        group_max_grad_norms: per-group thresholds C_k; default C/√K (so that √(Σ C_k²) = C); a
+            √(Σ C_k²) above C is refused (the noise is calibrated to C).
         clipping_fn: ``"abadi"``: min(1, C/‖g‖), or ``"automatic"`` (Bu et al.): C/(‖g‖ + γ).
         gamma: γ of ``"automatic"`` clipping (default 0.01).
         poisson_sampling: Poisson-sample logical batches (default). ``False``: shuffled fixed-size batches,
@@ -115,6 +116,8 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
                              "[['encoder.*'], ['head.*']], or 'param_groups' (the optimizer's parameter groups).")
         if clipping_groups is not None and clipping != "group-wise":
             raise ValueError(f"clipping_groups is only used with clipping='group-wise', not {clipping!r}.")
+        if group_max_grad_norms is not None:
+            validate_group_thresholds(group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
         self.poisson_sampling, self.secure_mode, self.loss_reduction = poisson_sampling, secure_mode, loss_reduction
         self.seed = seed

@@ -31,6 +31,17 @@ def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gam
         raise ValueError("clipping_fn='automatic' needs a finite max_grad_norm; use 'abadi' with C=inf to disable.")
 
 
+def validate_group_thresholds(thresholds, max_grad_norm: float) -> None:
+    """Refuse group thresholds C_k whose joint bound √(Σ C_k²) on an example's norm exceeds ``max_grad_norm``,
+    to which the noise is calibrated (σ·C). Raises ``ValueError`` naming the bound and the fix."""
+    bound = math.sqrt(sum(float(c) ** 2 for c in thresholds))
+    if bound > max_grad_norm * (1 + 1e-9):
+        raise ValueError(
+            f"group_max_grad_norms={list(thresholds)} bound each example's gradient norm by sqrt(sum C_k^2) = "
+            f"{bound:.6g}, above max_grad_norm = {max_grad_norm:g}, to which the noise is calibrated: set "
+            f"max_grad_norm={bound:.6g}, or lower the group thresholds.")
+
+
 def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01) -> torch.Tensor:
     """Per-example coefficients ``c_i`` (shape ``(B,)``, fp32) for norms of shape ``(B,)``.
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .base import LayerHook, PerSampleFunction, UnsupportedLayerError
-from .clipping import clip_coefficients, layer_thresholds, validate_clipping
+from .clipping import clip_coefficients, layer_thresholds, validate_clipping, validate_group_thresholds
 from .parameters import ParameterHook, broadcast_candidates
 from .registry import find_rule, has_registered_base, unsupported_reason
 
@@ -194,13 +194,8 @@ class PerSampleEngine:
             if len(group_max_grad_norms) != len(members) or not all(c > 0 for c in group_max_grad_norms):
                 raise ValueError(f"group_max_grad_norms needs {len(members)} positive thresholds, one per group, "
                                  f"got {list(group_max_grad_norms)}.")
+            validate_group_thresholds(group_max_grad_norms, self.max_grad_norm)
             self.group_thresholds = [float(c) for c in group_max_grad_norms]
-            bound = math.sqrt(sum(c * c for c in self.group_thresholds))
-            if bound > self.max_grad_norm * (1 + 1e-9):
-                raise ValueError(
-                    f"group_max_grad_norms={list(group_max_grad_norms)} bound each example's gradient norm by "
-                    f"sqrt(sum C_k^2) = {bound:.6g}, above max_grad_norm = {self.max_grad_norm:g}, to which the "
-                    f"noise is calibrated: set max_grad_norm={bound:.6g}, or lower the group thresholds.")
         else:
             self.group_thresholds = [layer_thresholds(self.max_grad_norm, len(members))] * len(members)
         self.groups = members
