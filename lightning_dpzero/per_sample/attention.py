@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Inputs, LayerRule, UnsupportedLayerError, param_shape
-from .linear import rows_norm_sq, weighted_rows_grad
+from .linear import per_example_sq, rows_norm_sq, weighted_rows_grad, weighted_sum
 
 _SIG = inspect.signature(nn.MultiheadAttention.forward)
 _NAMES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v",
@@ -190,45 +190,38 @@ class MultiheadAttentionRule(LayerRule):
                 ("v", gk[:, S] if gk.shape[1] > S else None), ("v", gv[:, S] if gv.shape[1] > S else None),
                 ("w", [(c, go)]), ("b", [go])]
 
+    def _slots(self, module, x, g, mask, fn):
+        """``fn(kind, t, param)`` for each parameter slot that ``mask`` selects, ``None`` elsewhere."""
+        return [fn(kind, t, p) if m else None
+                for (kind, t), m, p in zip(self._pieces(x, g), mask, self.params(module))]
+
     def norm_sq(self, module, x, g, mask):
-        out = []
-        for (kind, t), m in zip(self._pieces(x, g), mask):
-            if not m:
-                out.append(None)
-            elif kind == "w":
-                out.append(sum(rows_norm_sq(a, gg) for a, gg in t))
-            elif kind == "b":
-                out.append(sum(gg.float().sum(1).pow(2).sum(1) for gg in t))
-            else:
-                out.append(t.float().pow(2).sum(1))
-        return out
+        def sq(kind, t, p):
+            if kind == "w":
+                return sum(rows_norm_sq(a, gg) for a, gg in t)
+            if kind == "b":
+                return sum(per_example_sq(gg.float().sum(1)) for gg in t)
+            return per_example_sq(t)
+        return self._slots(module, x, g, mask, sq)
 
     def per_example(self, module, x, g, mask):
-        out = []
-        for (kind, t), m, p in zip(self._pieces(x, g), mask, self.params(module)):
-            if not m:
-                out.append(None)
-                continue
+        def per(kind, t, p):
             if kind == "w":
                 pe = torch.cat([torch.bmm(gg.float().transpose(1, 2), a.float()) for a, gg in t], 1)
             elif kind == "b":
                 pe = torch.cat([gg.float().sum(1) for gg in t], 1)
             else:
                 pe = t.float()
-            out.append(pe.reshape(pe.shape[0], *param_shape(p)))
-        return out
+            return pe.reshape(pe.shape[0], *param_shape(p))
+        return self._slots(module, x, g, mask, per)
 
     def clipped_grads(self, module, x, g, coef, mask):
-        out = []
-        for (kind, t), m, p in zip(self._pieces(x, g), mask, self.params(module)):
-            if not m:
-                out.append(None)
-                continue
+        def clipped(kind, t, p):
             if kind == "w":
                 s = torch.cat([weighted_rows_grad(a, gg, coef) for a, gg in t], 0)
             elif kind == "b":
-                s = torch.cat([(gg.float().sum(1) * coef.view(-1, 1)).sum(0) for gg in t], 0)
+                s = torch.cat([weighted_sum(gg.float().sum(1), coef) for gg in t], 0)
             else:
-                s = (t.float() * coef.view(-1, 1)).sum(0)
-            out.append(s.to(g[0].dtype).reshape(param_shape(p)))
-        return out
+                s = weighted_sum(t.float(), coef)
+            return s.to(g[0].dtype).reshape(param_shape(p))
+        return self._slots(module, x, g, mask, clipped)

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .base import LayerHook, LayerRule, UnsupportedLayerError, param_shape
+from .base import LayerHook, LayerRule, UnsupportedLayerError
+from .linear import per_example_sq, weighted_sum
 
 
 #: perturbation rounds of the once-per-module locality check: 2 * CHECK_BITS forwards without gradients
@@ -51,7 +52,7 @@ class BroadcastParameterRule(LayerRule):
     """Per-example norms and clipped sums for a module's direct parameters ``P`` of shape ``(1, *S)``.
 
     ``x`` is an empty ``(B, 0)`` tensor (only its batch size is read); ``g`` is a tuple with, per parameter,
-    the gradient of its per-example view, ``(B, *S)``, or ``None`` when this forward did not use it.
+    the gradient of its per-example view, ``(B, *S)`` (zeros when this forward did not use it).
     """
 
     def __init__(self, names: list[str], params: list[nn.Parameter]):
@@ -61,26 +62,13 @@ class BroadcastParameterRule(LayerRule):
         return list(self._params)  # the Parameters themselves, also while their views are swapped in
 
     def norm_sq(self, module, x, g, mask):
-        return [None if not m else (x.new_zeros(x.shape[0], dtype=torch.float32) if gi is None
-                                    else gi.float().flatten(1).pow(2).sum(1))
-                for gi, m in zip(g, mask)]
+        return [per_example_sq(gi) if m else None for gi, m in zip(g, mask)]
 
     def per_example(self, module, x, g, mask):
-        return [None if not m else (torch.zeros(x.shape[0], *param_shape(p), device=x.device) if gi is None
-                                    else gi.float().unsqueeze(1))
-                for gi, m, p in zip(g, mask, self.params(module))]
+        return [gi.float().unsqueeze(1) if m else None for gi, m in zip(g, mask)]
 
     def clipped_grads(self, module, x, g, coef, mask):
-        out: list[Optional[torch.Tensor]] = []
-        for gi, m, p in zip(g, mask, self.params(module)):
-            if not m:
-                out.append(None)
-            elif gi is None:
-                out.append(torch.zeros(param_shape(p), dtype=p.dtype, device=x.device))
-            else:
-                w = coef.to(gi.dtype).view(-1, *[1] * (gi.dim() - 1))
-                out.append((gi * w).sum(0, keepdim=True))
-        return out
+        return [weighted_sum(gi, coef).unsqueeze(0) if m else None for gi, m in zip(g, mask)]
 
 
 class BroadcastParameterFunction(torch.autograd.Function):
@@ -90,7 +78,6 @@ class BroadcastParameterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hook, b, *params):
         ctx.hook, ctx.b = hook, b
-        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*params)
         return tuple(p.expand(b, *p.shape[1:]) for p in params)
 
