@@ -170,10 +170,6 @@ class LayerHook:
         # what the engine runs when it does not clip (eval, no grad); a multi-input call keeps its arguments
         self.original_forward = self._original_multi if rule.multi_input else module.forward
         self.extra: tuple[tuple, dict] = ((), {})  # the other arguments of the multi-input call in progress
-        self.calls = 0  # forward calls since the last backward (a reused module is refused)
-
-    def trainable(self) -> list[bool]:
-        return [p is not None and p.requires_grad for p in self.rule.params(self.module)]
 
     def _original_multi(self, x):
         return self.module_forward(x, *self.extra[0], **self.extra[1])

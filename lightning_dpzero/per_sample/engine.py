@@ -110,7 +110,7 @@ class PerSampleEngine:
             mod.forward = hook
             self.hooks.append(hook)
         for name, mod in self.module.named_modules():  # parameters used directly by a forward (parameters.py)
-            if find_rule(mod) is None and not has_registered_base(mod):
+            if not has_registered_base(mod):  # no rule, and not a (refused) subclass of a layer with one
                 names = [n for n in broadcast_candidates(mod) if id(mod._parameters[n]) not in covered]
                 if names:
                     hook = ParameterHook(self, mod, name or "<root>", names)
@@ -157,7 +157,7 @@ class PerSampleEngine:
                 if p.requires_grad and id(p) not in covered:
                     full = f"{mname}.{pname}" if mname else pname
                     reason = unsupported_reason(mod)
-                    if find_rule(mod) is None and not has_registered_base(mod):
+                    if not has_registered_base(mod):
                         reason = (f"a parameter of shape {tuple(p.shape)} used directly by {type(mod).__name__}'s "
                                   "forward; such a parameter is supported only when its first dimension is 1 and "
                                   "the forward broadcasts it over the batch (a class token (1, 1, d), a position "
@@ -203,9 +203,10 @@ class PerSampleEngine:
         for h in self.hooks:
             h.param_ids = [id(p) if p is not None and p.requires_grad else None for p in h.rule.params(h.module)]
             h.groups = sorted({self.group_of[i] for i in h.param_ids if i is not None})
-        # A group can be returned through autograd when every site touching it holds all of its parameters.
-        self.needs_deferred_writes = any(
-            not {id(p) for p in self.groups[k]} <= set(h.param_ids) for h in self.hooks for k in h.groups)
+            # the groups this site holds every parameter of: it can return their clipped sums through autograd
+            h.returnable = {k for k in h.groups if {id(p) for p in members[k]} <= set(h.param_ids)}
+        # A group is returned through autograd when every site touching it holds all of its parameters.
+        self.needs_deferred_writes = any(len(h.returnable) < len(h.groups) for h in self.hooks)
 
     def _match_groups(self, named, groups) -> list[list[nn.Parameter]]:
         if not groups:
@@ -362,8 +363,7 @@ class PerSampleEngine:
     def _completes_at(self, hook: LayerHook) -> bool:
         """Every group of this site completes at it and is returned through autograd from it (layer-wise),
         so ``clipped_grads`` for this site runs right after ``norm_sq`` (see ``_complete``)."""
-        return all(self._sites_left.get(k) == 1 and all(id(p) in hook.param_ids for p in self.groups[k])
-                   for k in hook.groups)
+        return all(self._sites_left.get(k) == 1 and k in hook.returnable for k in hook.groups)
 
     @staticmethod
     def _add(store: dict, key: int, value: torch.Tensor) -> None:
@@ -380,7 +380,7 @@ class PerSampleEngine:
         self._total_sq = norms.pow(2) if self._total_sq is None else self._total_sq + norms.pow(2)
         coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
         records = self._records.pop(k)
-        if hook is not None and ids <= set(hook.param_ids):
+        if hook is not None and k in hook.returnable:
             return self._clipped(ids, coef, records)
         self._deferred.append((ids, coef, records))
         return {}
