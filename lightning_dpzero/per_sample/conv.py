@@ -28,9 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError, param_shape
-from . import linear as _linear
-from .linear import LinearRule, per_example_sq, rows_norm_sq
-
+from .linear import LinearRule, per_example_sq, rows_norm_sq, use_ghost
 
 
 def _conv_backward(module, x, weight, g, padding, groups: int, want_input: bool) -> torch.Tensor:
@@ -54,12 +52,23 @@ def _pads(module) -> list[tuple[int, int]]:
     return [(p, p) for p in module.padding]
 
 
+def _pad_explicitly(module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` padded as the layer pads it (its ``padding_mode``, asymmetric ``'same'`` too)."""
+    flat = [v for lr in reversed(_pads(module)) for v in lr]
+    if not any(flat):
+        return x
+    return F.pad(x, flat, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+
+
+def _kernels_cannot_pad(module) -> bool:
+    """PyTorch's convolution kernels pad with zeros, symmetrically: other padding is applied beforehand."""
+    return module.padding_mode != "zeros" or any(l != r for l, r in _pads(module))
+
+
 def unfold_patches(module, x: torch.Tensor) -> torch.Tensor:
     """``(B, C, *spatial)`` → rows ``(B, T, C·Πk)`` (channel-major, like the flattened weight)."""
     n = len(module.kernel_size)
-    flat = [v for lr in reversed(_pads(module)) for v in lr]
-    if any(flat):
-        x = F.pad(x, flat, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+    x = _pad_explicitly(module, x)
     B, C = x.shape[0], x.shape[1]
     K = math.prod(module.kernel_size)
     if n <= 2:
@@ -95,11 +104,10 @@ class ConvRule(LinearRule):
         return module._conv_forward(x, weight, bias)  # PyTorch's own: padding modes, asymmetric 'same'
 
     def grad_input(self, module, x, params, g):
-        pads = _pads(module)
-        if module.padding_mode != "zeros" or any(l != r for l, r in pads):
+        if _kernels_cannot_pad(module):
             return LayerRule.grad_input(self, module, x, params, g)  # recompute through F.pad
-        return _conv_backward(module, x.to(g.dtype), params[0].to(g.dtype), g, [l for l, _ in pads], module.groups,
-                              want_input=True)
+        return _conv_backward(module, x.to(g.dtype), params[0].to(g.dtype), g, [l for l, _ in _pads(module)],
+                              module.groups, want_input=True)
 
     def _rows(self, module, x, g):
         return unfold_patches(module, x), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)
@@ -113,12 +121,9 @@ class ConvRule(LinearRule):
 
     def _padded(self, module, x):
         """The input and the padding to give PyTorch's kernels (explicitly padded where they cannot pad)."""
-        pads = _pads(module)
-        if module.padding_mode != "zeros" or any(l != r for l, r in pads):
-            flat = [v for lr in reversed(pads) for v in lr]
-            x = F.pad(x, flat, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
-            return x, [0] * len(pads)
-        return x, [l for l, _ in pads]
+        if _kernels_cannot_pad(module):
+            return _pad_explicitly(module, x), [0] * len(module.kernel_size)
+        return x, [l for l, _ in _pads(module)]
 
     def _instantiate(self, module, x, g):
         """Per-example weight gradients as one grouped weight-gradient kernel call, the batch folded into the
@@ -136,7 +141,7 @@ class ConvRule(LinearRule):
 
     def _weight_norm_sq(self, module, x, g):
         B, T, d, p = self._dims(module, x, g)
-        if T > 1 and not _linear.use_ghost(T, d, p):
+        if T > 1 and not use_ghost(T, d, p):
             return per_example_sq(self._instantiate(module, x, g))
         a, gg = self._rows(module, x, g)
         G = module.groups

@@ -86,9 +86,7 @@ class LayerNormRule(_AffineNormRule):
         return gx
 
     def _per_example(self, module, x, g):
-        n = 1
-        for s in module.normalized_shape:
-            n *= s
+        n = math.prod(module.normalized_shape)
         xh = self._take_xhat(x)
         if xh is None:
             xh = F.layer_norm(x.float(), module.normalized_shape, None, None, module.eps)
