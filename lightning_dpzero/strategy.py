@@ -254,8 +254,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     # ------------------------------------------------------------------ step
     def training_step(self, *args: Any, **kwargs: Any):
         if self.per_sample is not None:
-            self.per_sample.expected_batch_size = extract_batch_size(args[0]) if args else None
-            self.per_sample.new_forward()
+            self.per_sample.start_micro_batch(extract_batch_size(args[0]) if args else None)
         if self.per_sample is None or self.per_sample.expected_batch_size != 0:
             with self._explain_released_parameters():
                 return self._check_finite_loss(super().training_step(*args, **kwargs))
@@ -330,8 +329,8 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             raise RuntimeError(f"The loss gradient is {g}; cannot recover per-example gradients.")
         k = self.lightning_module.trainer.accumulate_grad_batches
         gas = self.deepspeed_engine.gradient_accumulation_steps()
-        self.per_sample.grad_scale = k / g  # undo Lightning's 1/K, DeepSpeed's 1/gas and the loss scale
-        self.per_sample.emit_scale = g * gas  # = loss scale S, which DeepSpeed divides out before the step
+        # undo Lightning's 1/K, DeepSpeed's 1/gas and the loss scale; emit × S, which DeepSpeed divides out
+        self.per_sample.set_loss_factors(grad_scale=k / g, emit_scale=g * gas)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         if self.per_sample is None or self.plan is None:

@@ -270,15 +270,26 @@ class PerSampleEngine:
     # ---------------------------------------------------------------- per micro-batch
     @contextlib.contextmanager
     def micro_batch(self, batch_size: int, grad_scale: float = 1.0, emit_scale: float = 1.0) -> Iterator[None]:
-        """Declare the micro-batch: ``batch_size`` examples; see ``grad_scale`` / ``emit_scale`` attributes."""
-        self.expected_batch_size = batch_size
-        self.grad_scale, self.emit_scale = grad_scale, emit_scale
-        self.new_forward()
+        """Declare the micro-batch: ``batch_size`` examples; see :meth:`set_loss_factors`."""
+        self.start_micro_batch(batch_size)
+        self.set_loss_factors(grad_scale, emit_scale)
         try:
             yield
         finally:
             self.finalize()
             self.expected_batch_size = None
+
+    def start_micro_batch(self, batch_size: Optional[int]) -> None:
+        """A micro-batch of ``batch_size`` examples (``None``: read each layer's first input dimension) starts
+        its forward: sites of an earlier forward that never ran backward are forgotten."""
+        self.expected_batch_size = batch_size
+        self.new_forward()
+
+    def set_loss_factors(self, grad_scale: float, emit_scale: float) -> None:
+        """``grad_scale``: observed output gradient × ``grad_scale`` = gradient of the per-example loss (× B for a
+        mean loss); ``emit_scale``: multiplies what is returned or written as a gradient (a loss scale that
+        DeepSpeed divides out before the step). See docs/design.md, *The factors on the loss*."""
+        self.grad_scale, self.emit_scale = float(grad_scale), float(emit_scale)
 
     def new_forward(self) -> None:
         """Start of a micro-batch's forward: forget sites of an earlier forward that never ran backward."""
