@@ -4,9 +4,9 @@ For each layer shape, in one process and one run:
 
 * ``nondp``      plain forward + backward (weight, bias and input gradients);
 * ``engine``     our ``PerSampleEngine`` (layer-wise clipping), with the path its cost model chooses for these
-                 shapes (``linear.choose_path``), and, for Linear and Conv2d, each path forced (``engine_ghost``:
+                 shapes (``paths.choose_path``), and, for Linear and Conv2d, each path forced (``engine_ghost``:
                  ghost norm + clipped matmul, ``engine_inst``: instantiated norm + clipped matmul,
-                 ``engine_reuse``: instantiate and reuse) by replacing ``linear.use_ghost``/``linear.use_reuse``
+                 ``engine_reuse``: instantiate and reuse) by replacing ``paths.use_ghost``/``paths.use_reuse``
                  inside this process only;
 * ``func``       ``torch.func.vmap(grad)`` per-example gradients (parameters and input), then clipping and
                  the weighted sum;
@@ -111,11 +111,11 @@ def m_nondp(layer, x, R):
 
 def m_engine(layer, x, R, force: str | None = None):
     from lightning_dpzero.per_sample import PerSampleEngine
-    from lightning_dpzero.per_sample import linear as linear_rule
+    from lightning_dpzero.per_sample import paths
 
     eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
     float_in = x.is_floating_point()
-    original = linear_rule.use_ghost, linear_rule.use_reuse
+    original = paths.use_ghost, paths.use_reuse
     forced = {None: original, "ghost": (lambda *a: True, lambda *a: False),
               "inst": (lambda *a: False, lambda *a: False), "reuse": (original[0], lambda *a: True)}[force]
 
@@ -123,13 +123,13 @@ def m_engine(layer, x, R, force: str | None = None):
         for p in layer.parameters():
             p.grad = None
         xi = x.detach().requires_grad_(float_in)
-        linear_rule.use_ghost, linear_rule.use_reuse = forced
+        paths.use_ghost, paths.use_reuse = forced
         try:
             with eng.micro_batch(batch_size=x.shape[0]):
                 loss = (layer(xi) * R).sum() / x.shape[0]
                 loss.backward()
         finally:
-            linear_rule.use_ghost, linear_rule.use_reuse = original
+            paths.use_ghost, paths.use_reuse = original
         return {n: p.grad for n, p in layer.named_parameters()}, (xi.grad if float_in else None)
 
     return step
@@ -221,7 +221,7 @@ def m_naive(layer, x, R):
 
 
 def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
-    from lightning_dpzero.per_sample.linear import choose_path
+    from lightning_dpzero.per_sample.paths import choose_path
 
     T, d, p = rows_shape(case)
     linear_like = case["layer"] in ("linear", "conv2d")

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
 from lightning_dpzero.per_sample import linear as linear_mod
+from lightning_dpzero.per_sample import paths as paths_mod
 from oracle import clipped_sum, per_example_grads
 
 # LAYER_EXAMPLES=500 for a deeper run; the default keeps the file well under a minute on 2 cores
@@ -56,9 +57,9 @@ def force_path(path):
     if path is None:
         yield
         return
-    ghost = {"ghost": lambda *a: True, "inst": lambda *a: False, "reuse": linear_mod.use_ghost}[path]
-    with mock.patch.object(linear_mod, "use_ghost", ghost), \
-            mock.patch.object(linear_mod, "use_reuse", lambda *a, **k: path == "reuse"):
+    ghost = {"ghost": lambda *a: True, "inst": lambda *a: False, "reuse": paths_mod.use_ghost}[path]
+    with mock.patch.object(paths_mod, "use_ghost", ghost), \
+            mock.patch.object(paths_mod, "use_reuse", lambda *a, **k: path == "reuse"):
         yield
 
 
@@ -478,7 +479,7 @@ def test_each_path_matches_oracle_and_reuse_only_where_the_site_completes(kind, 
 def test_cost_model_choices():
     """The per-call choice (``benchmarks/per_layer.py`` shapes): reuse where instantiation is cheap against
     the ghost norm and fits the memory cap, ghost otherwise; never reuse where the site does not complete."""
-    cp = linear_mod.choose_path
+    cp = paths_mod.choose_path
     assert cp(128, 256, 256, True) == "reuse"  # GPT d 256 attention projection
     assert cp(128, 256, 1024, True) == "reuse"  # its MLP
     assert cp(128, 768, 768, True) == "ghost"  # B·p·d above the memory cap

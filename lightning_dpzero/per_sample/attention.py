@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Inputs, LayerRule, UnsupportedLayerError, param_shape
-from .linear import per_example_sq, rows_norm_sq, weighted_rows_grad, weighted_sum
+from .base import Inputs, LayerRule, UnsupportedLayerError
+from .maths import param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad, weighted_sum
+from .paths import rows_path
 
 _SIG = inspect.signature(nn.MultiheadAttention.forward)
 _NAMES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v",
@@ -198,7 +199,7 @@ class MultiheadAttentionRule(LayerRule):
     def norm_sq(self, module, x, g, mask):
         def sq(kind, t, p):
             if kind == "w":
-                return sum(rows_norm_sq(a, gg) for a, gg in t)
+                return sum(rows_norm_sq(a, gg, rows_path(a, gg)) for a, gg in t)
             if kind == "b":
                 return sum(per_example_sq(gg.float().sum(1)) for gg in t)
             return per_example_sq(t)
@@ -207,7 +208,7 @@ class MultiheadAttentionRule(LayerRule):
     def per_example(self, module, x, g, mask):
         def per(kind, t, p):
             if kind == "w":
-                pe = torch.cat([torch.bmm(gg.float().transpose(1, 2), a.float()) for a, gg in t], 1)
+                pe = torch.cat([rows_per_example(a, gg) for a, gg in t], 1)
             elif kind == "b":
                 pe = torch.cat([gg.float().sum(1) for gg in t], 1)
             else:

@@ -19,7 +19,6 @@ then whatever the rule records (an :class:`Inputs` for ``x``, whose ``shape[0]``
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Optional
 
 import torch
@@ -193,12 +192,3 @@ class LayerHook:
             )
         return self.engine._forward(self, args[0])
 
-
-def batch_rows(t: torch.Tensor) -> torch.Tensor:
-    """``(B, ...)`` → ``(B, T, d)`` where T folds every middle dimension (a sequence of T tokens)."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # explicit: B may be 0
-
-
-def param_shape(p: torch.Tensor) -> torch.Size:
-    """The full shape of a parameter, also while ZeRO-3 has released its data (``ds_shape``)."""
-    return getattr(p, "ds_shape", p.shape)

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerRule, UnsupportedLayerError, param_shape
-from .linear import LinearRule, per_example_sq, rows_norm_sq, use_ghost
+from .base import LayerRule, UnsupportedLayerError
+from .linear import LinearRule
+from .maths import param_shape, per_example_sq, rows_norm_sq
 
 
 def _conv_backward(module, x, weight, g, padding, groups: int, want_input: bool) -> torch.Tensor:
@@ -139,15 +140,15 @@ class ConvRule(LinearRule):
                            gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), padding, B * module.groups, want_input=False)
         return w.view(B, *shape)
 
-    def _weight_norm_sq(self, module, x, g):
-        B, T, d, p = self._dims(module, x, g)
-        if T > 1 and not use_ghost(T, d, p):
+    def _weight_norm_sq(self, module, x, g, path):
+        B, T = x.shape[0], math.prod(g.shape[2:])
+        if T > 1 and path == "instantiate":  # one grouped kernel call, no unfold
             return per_example_sq(self._instantiate(module, x, g))
         a, gg = self._rows(module, x, g)
         G = module.groups
         if G == 1:
-            return rows_norm_sq(a, gg)
-        return rows_norm_sq(_fold_groups(a, G), _fold_groups(gg, G)).view(B, G).sum(1)
+            return rows_norm_sq(a, gg, path)
+        return rows_norm_sq(_fold_groups(a, G), _fold_groups(gg, G), path).view(B, G).sum(1)
 
     def _weighted_weight(self, module, x, g, coef):
         """``Σ_i coef_i G_i`` with PyTorch's own weight-gradient kernel on coefficient-scaled output

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import UnsupportedLayerError, batch_rows, param_shape
+from .base import UnsupportedLayerError
 from .linear import LinearRule
+from .maths import batch_rows, param_shape
 
 
 class HFConv1DRule(LinearRule):

@@ -1,27 +1,10 @@
 """``nn.Linear`` with inputs ``(B, d)`` or ``(B, *, d)`` (Lee & Kifer 2021; Li et al. 2021 ghost norm).
 
 For one example with T rows ``a_t ∈ R^d`` and output gradients ``g_t ∈ R^p`` the weight gradient is
-``G = Σ_t g_t a_tᵀ`` (p×d). Three ways to get its squared norm and the clipped sum ``Σ_i c_i G_i``:
-
-* **ghost + matmul**: ``‖G‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (extra cost ``2T²(d+p)`` flops, memory
-  ``O(T²)``), then the clipped sum as one matmul of coefficient-scaled output gradients: the matmul a non-DP
-  backward does anyway, so the norm is the only extra work;
-* **instantiate + matmul**: ``‖G‖²`` from the ``(B, p, d)`` per-example tensor (an extra ``2T·p·d`` flops
-  and a ``B·p·d`` tensor), then the same matmul;
-* **instantiate and reuse**: the per-example ``G_i`` (their bmm costs the multiply-adds of the batch
-  weight gradient it replaces) give the norm *and* the clipped sum ``Σ_i c_i G_i`` (a ``(B,)·(B, p·d)``
-  product): no second matmul; the extra cost is memory traffic over ``B·p·d`` values (written once, read
-  for the norm and for the sum). Only possible when the clipped sum is formed right after the norm at the
-  same site (the engine passes ``keep=True`` to ``norm_sq`` then: layer-wise clipping, whose groups complete
-  at their own site). For groups completed at the end of backward (all-layer, group-wise spanning layers)
-  keeping ``B·p·d`` per layer until then costs memory: such a site keeps only when that is at most
-  :data:`DEFERRED_KEEP_FACTOR` of what the engine records for it anyway (input and output gradient): small
-  convolution kernels, never a GPT-width Linear.
-
-The choice is made per call from the shapes actually seen (:func:`choose_path`), by a cost model that
-counts the extra flops of the ghost norm against the memory traffic of instantiation, with a memory cap
-(the per-example tensor at most :data:`REUSE_MEMORY_FACTOR` times the layer's own input rows and output
-gradients): no ``B·p·d`` tensor for a layer whose ghost norm is cheaper.
+``G = Σ_t g_t a_tᵀ`` (p×d). Each call takes one of three paths, chosen by :func:`.paths.weight_path` from
+the shapes seen: the ghost norm then the clipped matmul, the instantiated ``(B, p, d)`` gradients' norm then
+the clipped matmul, or the instantiated gradients kept on the site and reused for the clipped sum (see
+:mod:`.paths` for the costs). The HF Conv1D and Conv rules are this rule with other layouts of the rows.
 """
 
 from __future__ import annotations
@@ -34,21 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .base import LayerRule, batch_rows, param_shape
-
-#: flop-equivalents of one per-example-gradient element kept for reuse (written once, read twice, fp32),
-#: by device type. CPU: fitted to ``benchmarks/per_layer.py`` (T=128: d=p=256 → ≈46, d=256 p=1024 → ≈84,
-#: T=512 d=p=64 → ≈90; the prototype's measured excess over non-DP, divided by p·d). CUDA: a roofline
-#: estimate, not measured (12 bytes per element at ~4 TB/s against ~800 TFLOP/s of 16-bit tensor cores, or
-#: ~60 TFLOP/s in fp32): ``benchmarks/gpu.sh`` measures the per-layer paths on a GPU.
-REUSE_COST = {"cpu": 64.0, "cuda": 2000.0, "cuda_fp32": 200.0}
-#: reuse only when ``p·d ≤ REUSE_MEMORY_FACTOR · T·(d+p)``: the per-example gradients at most this many times
-#: the layer's own rows (input and output gradient) — bounds the peak memory a layer adds in its backward
-REUSE_MEMORY_FACTOR = 2.0
-#: a site whose group completes later (all-layer, group-wise) keeps its per-example gradients until then only
-#: when they are at most this fraction of what the engine already records for the site (its input and output
-#: gradient): small convolution kernels and normalisation layers, never a GPT-width Linear
-DEFERRED_KEEP_FACTOR = 0.5
+from .base import LayerRule
+from .maths import (batch_rows, param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad,
+                    weighted_sum)
+from .paths import choose_path, fits_deferred
 
 
 class KeptSites:
@@ -78,63 +50,6 @@ def kept_sites(rule) -> KeptSites:
     if store is None:
         store = rule._kept_sites = KeptSites()
     return store
-
-
-def fits_deferred(x, g, per_example_numel: int) -> bool:
-    """May a site that does not complete its group keep ``B × per_example_numel`` values until it does?"""
-    return x.shape[0] * per_example_numel <= DEFERRED_KEEP_FACTOR * (x.numel() + g.numel())
-
-
-def use_ghost(T: int, d: int, p: int) -> bool:
-    """For the norm alone: ghost when ``2T² < p·d`` (Bu et al. 2022, book-keeping layer-wise decision)."""
-    return 2 * T * T < p * d
-
-
-def use_reuse(T: int, d: int, p: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
-    """Instantiate-and-reuse beats ghost + matmul (see the module docstring), where reuse is possible."""
-    if T <= 1 or p * d > REUSE_MEMORY_FACTOR * T * (d + p):
-        return False
-    if device == "cuda":
-        beta = REUSE_COST["cuda_fp32" if dtype == torch.float32 else "cuda"]
-    else:
-        beta = REUSE_COST.get(device, REUSE_COST["cpu"])
-    return beta * p * d < 2 * T * T * (d + p) + 3 * T * T
-
-
-def choose_path(T: int, d: int, p: int, reusable: bool, device: str = "cpu",
-                dtype: torch.dtype = torch.float32) -> str:
-    """``"reuse"``, ``"ghost"`` or ``"instantiate"`` for one call (``reusable``: the site completes here)."""
-    if reusable and use_reuse(T, d, p, device, dtype):
-        return "reuse"
-    return "ghost" if T > 1 and use_ghost(T, d, p) else "instantiate"
-
-
-def rows_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example ‖Σ_t g_t a_tᵀ‖² for ``a`` (B,T,d), ``g`` (B,T,p), returned fp32 ``(B,)``."""
-    a, g = a.float(), g.float()
-    B, T, d = a.shape
-    p = g.shape[-1]
-    if T == 1:
-        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
-    if use_ghost(T, d, p):
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return per_example_sq(torch.bmm(g.transpose(1, 2), a))
-
-
-def per_example_sq(t: torch.Tensor) -> torch.Tensor:
-    """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t``."""
-    return torch.linalg.vector_norm(t.flatten(1).float(), dim=1).pow(2)
-
-
-def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i Σ_t g_{i,t} a_{i,t}ᵀ`` as a (p, d) matrix in ``g``'s dtype: one matmul, no B×p×d tensor."""
-    gw = g * coef.to(g.dtype).view(-1, 1, 1)
-    return gw.reshape(-1, g.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
-
-
-def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``."""
-    return coef.to(per.dtype).view(1, -1).mm(per.flatten(1)).view(per.shape[1:])
 
 
 class LinearRule(LayerRule):
@@ -168,11 +83,11 @@ class LinearRule(LayerRule):
     def _instantiate(self, module, x, g):
         """Per-example weight gradients ``(B, *weight.shape)`` fp32."""
         a, gg = self._rows(module, x, g)
-        return torch.bmm(gg.float().transpose(1, 2), a.float()).view(gg.shape[0], *param_shape(module.weight))
+        return rows_per_example(a, gg).view(gg.shape[0], *param_shape(module.weight))
 
-    def _weight_norm_sq(self, module, x, g):
-        """Per-example squared weight-gradient norms without keeping anything (ghost or instantiated)."""
-        return rows_norm_sq(*self._rows(module, x, g))
+    def _weight_norm_sq(self, module, x, g, path):
+        """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate)."""
+        return rows_norm_sq(*self._rows(module, x, g), path)
 
     def _weighted_weight(self, module, x, g, coef):
         """``Σ_i coef_i G_i`` in ``g``'s dtype with the weight's shape, without a per-example tensor."""
@@ -193,7 +108,7 @@ class LinearRule(LayerRule):
                 w = per_example_sq(per)
                 kept_sites(self).put(x, g, (per, pb))
             else:
-                w = self._weight_norm_sq(module, x, g)
+                w = self._weight_norm_sq(module, x, g, path)
         return [w, pb.pow(2).sum(1) if bias else None]
 
     def per_example(self, module, x, g, mask):

@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerRule, UnsupportedLayerError, param_shape
-from .linear import fits_deferred, kept_sites
+from .base import LayerRule, UnsupportedLayerError
+from .linear import kept_sites
+from .maths import param_shape
+from .paths import fits_deferred
 
 
 class _AffineNormRule(LayerRule):

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .base import LayerHook, LayerRule, UnsupportedLayerError
-from .linear import per_example_sq, weighted_sum
+from .maths import per_example_sq, weighted_sum
 
 
 #: perturbation rounds of the once-per-module locality check: 2 * CHECK_BITS forwards without gradients

@@ -1,0 +1,59 @@
+"""The arithmetic the rules share: rows of a matrix product per example, per-example norms, weighted sums.
+
+A layer that is a matrix product over T rows per example (Linear, convolution as unfolded patches, HF
+Conv1D, attention projections) has, for one example with input rows ``a_t ∈ R^d`` and output gradients
+``g_t ∈ R^p``, the weight gradient ``G = Σ_t g_t a_tᵀ`` (p×d). Which formula forms its norm (ghost or
+instantiated) is decided in :mod:`.paths`; the functions here only compute. Shapes are batch first; norms
+and per-example tensors are fp32, clipped sums are in the output gradient's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def batch_rows(t: torch.Tensor) -> torch.Tensor:
+    """``(B, ...)`` → ``(B, T, d)`` where T folds every middle dimension (a sequence of T tokens)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # explicit: B may be 0
+
+
+def param_shape(p: torch.Tensor) -> torch.Size:
+    """The full shape of a parameter, also while ZeRO-3 has released its data (``ds_shape``)."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def rows_per_example(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example ``G_i = Σ_t g_{i,t} a_{i,t}ᵀ`` for ``a`` (B,T,d), ``g`` (B,T,p): fp32 ``(B, p, d)``, one bmm."""
+    return torch.bmm(g.float().transpose(1, 2), a.float())
+
+
+def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str) -> torch.Tensor:
+    """Per-example ‖Σ_t g_t a_tᵀ‖² for ``a`` (B,T,d), ``g`` (B,T,p), returned fp32 ``(B,)``.
+
+    ``path`` (from :func:`.paths.choose_path`): ``"ghost"`` uses ``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (Li et al.
+    2021), anything else instantiates the ``(B, p, d)`` gradients. With one row (T = 1) the norm is the
+    product of the two row norms whatever the path."""
+    a, g = a.float(), g.float()
+    if a.shape[1] == 1:
+        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+    if path == "ghost":
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+    return per_example_sq(rows_per_example(a, g))
+
+
+def per_example_sq(t: torch.Tensor) -> torch.Tensor:
+    """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t``."""
+    return torch.linalg.vector_norm(t.flatten(1).float(), dim=1).pow(2)
+
+
+def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``Σ_i coef_i Σ_t g_{i,t} a_{i,t}ᵀ`` as a (p, d) matrix in ``g``'s dtype: one matmul, no B×p×d tensor."""
+    gw = g * coef.to(g.dtype).view(-1, 1, 1)
+    return gw.reshape(-1, g.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
+
+
+def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``."""
+    return coef.to(per.dtype).view(1, -1).mm(per.flatten(1)).view(per.shape[1:])

@@ -1,0 +1,93 @@
+"""The one place that decides how a site's per-example weight gradients are formed: ghost norm,
+instantiation, or instantiate-and-reuse, and whether a site may keep per-example tensors for its clipped sum.
+
+For a matrix product over T rows per example (Linear, convolution as unfolded patches, HF Conv1D,
+attention projections; :mod:`.maths`), three ways give the squared norm of each example's weight gradient
+``G = Σ_t g_t a_tᵀ`` (p×d) and the clipped sum ``Σ_i c_i G_i``:
+
+* **ghost + matmul**: ``‖G‖² = Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (Li et al. 2021; extra cost ``2T²(d+p)``
+  flops, memory ``O(T²)``), then the clipped sum as one matmul of coefficient-scaled output gradients: the
+  matmul a non-DP backward does anyway, so the norm is the only extra work;
+* **instantiate + matmul**: ``‖G‖²`` from the ``(B, p, d)`` per-example tensor (an extra ``2T·p·d`` flops
+  and a ``B·p·d`` tensor), then the same matmul;
+* **instantiate and reuse**: the per-example ``G_i`` (their bmm costs the multiply-adds of the batch
+  weight gradient it replaces) give the norm *and* the clipped sum ``Σ_i c_i G_i`` (a ``(B,)·(B, p·d)``
+  product): no second matmul; the extra cost is memory traffic over ``B·p·d`` values (written once, read
+  for the norm and for the sum). Only possible when the site keeps them until its clipped sum
+  (:func:`may_keep`).
+
+The choice is made per call from the shapes actually seen (:func:`choose_path`), by a cost model that
+counts the extra flops of the ghost norm against the memory traffic of instantiation, with a memory cap
+(the per-example tensor at most :data:`REUSE_MEMORY_FACTOR` times the layer's own input rows and output
+gradients): no ``B·p·d`` tensor for a layer whose ghost norm is cheaper. Normalisation layers, whose
+per-example gradients ``(B, p)`` are always instantiated, ask only :func:`may_keep`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: flop-equivalents of one per-example-gradient element kept for reuse (written once, read twice, fp32),
+#: by device type. CPU: fitted to ``benchmarks/per_layer.py`` (T=128: d=p=256 → ≈46, d=256 p=1024 → ≈84,
+#: T=512 d=p=64 → ≈90; the prototype's measured excess over non-DP, divided by p·d). CUDA: a roofline
+#: estimate, not measured (12 bytes per element at ~4 TB/s against ~800 TFLOP/s of 16-bit tensor cores, or
+#: ~60 TFLOP/s in fp32): ``benchmarks/gpu.sh`` measures the per-layer paths on a GPU.
+REUSE_COST = {"cpu": 64.0, "cuda": 2000.0, "cuda_fp32": 200.0}
+#: reuse only when ``p·d ≤ REUSE_MEMORY_FACTOR · T·(d+p)``: the per-example gradients at most this many times
+#: the layer's own rows (input and output gradient) — bounds the peak memory a layer adds in its backward
+REUSE_MEMORY_FACTOR = 2.0
+#: a site whose group completes later (all-layer, group-wise) keeps its per-example gradients until then only
+#: when they are at most this fraction of what the engine already records for the site (its input and output
+#: gradient): small convolution kernels and normalisation layers, never a GPT-width Linear
+DEFERRED_KEEP_FACTOR = 0.5
+
+
+def use_ghost(T: int, d: int, p: int) -> bool:
+    """For the norm alone: ghost when ``2T² < p·d`` (Bu et al. 2022, book-keeping layer-wise decision)."""
+    return 2 * T * T < p * d
+
+
+def use_reuse(T: int, d: int, p: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> bool:
+    """Instantiate-and-reuse beats ghost + matmul (see the module docstring), where reuse is possible."""
+    if T <= 1 or p * d > REUSE_MEMORY_FACTOR * T * (d + p):
+        return False
+    if device == "cuda":
+        beta = REUSE_COST["cuda_fp32" if dtype == torch.float32 else "cuda"]
+    else:
+        beta = REUSE_COST.get(device, REUSE_COST["cpu"])
+    return beta * p * d < 2 * T * T * (d + p) + 3 * T * T
+
+
+def choose_path(T: int, d: int, p: int, reusable: bool, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> str:
+    """``"reuse"``, ``"ghost"`` or ``"instantiate"`` for one call of a layer with T rows of d inputs and p
+    outputs per example (per group for grouped convolutions); ``reusable``: the site may keep its
+    per-example gradients until its clipped sum (:func:`may_keep`)."""
+    if reusable and use_reuse(T, d, p, device, dtype):
+        return "reuse"
+    return "ghost" if T > 1 and use_ghost(T, d, p) else "instantiate"
+
+
+def rows_path(a: torch.Tensor, g: torch.Tensor) -> str:
+    """The path for the norm alone of rows ``a`` (B,T,d), ``g`` (B,T,p) that are never kept (attention)."""
+    return choose_path(a.shape[1], a.shape[2], g.shape[2], reusable=False)
+
+
+def fits_deferred(x, g, per_example_numel: int) -> bool:
+    """May a site that does not complete its group keep ``B × per_example_numel`` values until it does?"""
+    return x.shape[0] * per_example_numel <= DEFERRED_KEEP_FACTOR * (x.numel() + g.numel())
+
+
+def may_keep(site, per_example_numel: int) -> bool:
+    """Whether ``site`` may keep ``B × per_example_numel`` per-example values for its clipped sum: always when
+    that sum follows at once (``site.completes``: layer-wise), for a group completed later (all-layer,
+    group-wise spanning layers) only within :data:`DEFERRED_KEEP_FACTOR` of the site's own records."""
+    return site.completes or fits_deferred(site.x, site.g, per_example_numel)
+
+
+def weight_path(site, T: int, d: int, p: int, per_example_numel: int) -> str:
+    """The path for ``site``'s weight gradient (:func:`choose_path`; reuse only for a non-empty batch the site
+    may keep, :func:`may_keep`), recorded as ``site.path`` (the engine publishes it in ``last_paths``)."""
+    reusable = site.x.shape[0] > 0 and may_keep(site, per_example_numel)
+    site.path = choose_path(T, d, p, reusable, site.g.device.type, site.g.dtype)
+    return site.path
