@@ -4,10 +4,11 @@ For each layer shape, in one process and one run:
 
 * ``nondp``      plain forward + backward (weight, bias and input gradients);
 * ``engine``     our ``PerSampleEngine`` (layer-wise clipping), with the path its cost model chooses for these
-                 shapes (``paths.choose_path``), and, for Linear and Conv2d, each path forced (``engine_ghost``:
-                 ghost norm + clipped matmul, ``engine_inst``: instantiated norm + clipped matmul,
-                 ``engine_reuse``: instantiate and reuse) by replacing ``paths.use_ghost``/``paths.use_reuse``
-                 inside this process only;
+                 shapes (``paths.choose_path``; "engine chose" is the path the engine recorded in
+                 ``engine.last_paths``), and, for Linear and Conv2d, each path forced (``engine_ghost``: ghost
+                 norm + clipped matmul, ``engine_inst``: instantiated norm + clipped matmul, ``engine_reuse``:
+                 instantiate and reuse) by replacing ``paths.use_ghost``/``paths.use_reuse`` inside this
+                 process only;
 * ``func``       ``torch.func.vmap(grad)`` per-example gradients (parameters and input), then clipping and
                  the weighted sum;
 * ``naive``      one forward + ``autograd.grad`` per example, then clipping and the sum;
@@ -132,6 +133,7 @@ def m_engine(layer, x, R, force: str | None = None):
             paths.use_ghost, paths.use_reuse = original
         return {n: p.grad for n, p in layer.named_parameters()}, (xi.grad if float_in else None)
 
+    step.engine = eng
     return step
 
 
@@ -221,13 +223,8 @@ def m_naive(layer, x, R):
 
 
 def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
-    from lightning_dpzero.per_sample.paths import choose_path
-
     T, d, p = rows_shape(case)
     linear_like = case["layer"] in ("linear", "conv2d")
-    choice = None
-    if linear_like:
-        choice = choose_path(T, d, p, reusable=True)  # layer-wise: every site completes its group
     methods: dict[str, Callable] = {"nondp": m_nondp, "engine": m_engine}
     if linear_like:
         methods["engine_ghost"] = lambda l, x, r: m_engine(l, x, r, "ghost")
@@ -238,7 +235,7 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
     if case["layer"] == "linear":
         methods["proto_inst_reuse"] = m_proto
     layer0, x, R = make_case(case, B)
-    out = {"case": case, "B": B, "engine_choice": choice, "methods": {}}
+    out = {"case": case, "B": B, "engine_choice": None, "methods": {}}
     if linear_like:
         out["T_d_p"] = [T, d, p]
         out["flop_cheaper"] = "ghost" if T * (d + p) < d * p else ("tie" if T * (d + p) == d * p else "instantiate")
@@ -248,6 +245,8 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         steps[name] = make(copy.deepcopy(layer0), x, R)
         for _ in range(warmup):
             steps[name]()
+        if name == "engine" and linear_like:  # the path the engine took, as it records it
+            out["engine_choice"] = next(iter(steps[name].engine.last_paths.values()), None)
     wall = {n: [] for n in steps}
     cpu = {n: [] for n in steps}
     for _ in range(reps):  # round-robin, so drift in the machine's load hits every method alike

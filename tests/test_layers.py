@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from contextlib import contextmanager
 from unittest import mock
 
@@ -20,8 +21,9 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
-from lightning_dpzero.per_sample import linear as linear_mod
 from lightning_dpzero.per_sample import paths as paths_mod
+from lightning_dpzero.per_sample import registry
+from lightning_dpzero.per_sample.base import Site
 from oracle import clipped_sum, per_example_grads
 
 # LAYER_EXAMPLES=500 for a deeper run; the default keeps the file well under a minute on 2 cores
@@ -63,9 +65,9 @@ def force_path(path):
         yield
 
 
-def check_oracle(model, x, clip, merge=None):
+def check_oracle(model, x, clip, merge=None, engines=None):
     """Engine vs. oracle for ``model(x)``. ``merge`` maps a module path onto the layer that owns it (the
-    attention's ``out_proj``) for the oracle's layer-wise groups."""
+    attention's ``out_proj``) for the oracle's layer-wise groups; the engine is appended to ``engines``."""
     B = x.shape[0]
     with torch.no_grad():  # output size from one example (PyTorch's InstanceNorm fails on an empty batch)
         n_out = model(torch.zeros(1, *x.shape[1:], dtype=x.dtype)).flatten(1).shape[1]
@@ -87,6 +89,8 @@ def check_oracle(model, x, clip, merge=None):
     engine = PerSampleEngine(model, max_grad_norm=clip["C"], clipping=clip["clipping"],
                              clipping_fn=clip["clipping_fn"]).attach()
     hooks = [(h.name, type(h.rule).__name__) for h in engine.hooks]
+    if engines is not None:
+        engines.append(engine)
     try:
         with force_path(clip["path"]), engine.micro_batch(batch_size=B):
             torch.nan_to_num(loss_fn(model(x), y)).backward()  # B = 0: the mean over no examples is NaN
@@ -454,26 +458,37 @@ def test_each_path_matches_oracle_and_reuse_only_where_the_site_completes(kind, 
     follows at once: layer-wise) and, for a group completed later (all-layer), only within the memory budget
     (small conv kernels, not these Linears); nothing stays kept afterwards; every path equals the oracle."""
     model, x = _path_model(kind)
-    taken = []
-    real = linear_mod.choose_path
+    taken, engines = [], []
+    real = paths_mod.choose_path
 
     def spy(*a, **k):
         taken.append(real(*a, **k))
         return taken[-1]
 
     clip = dict(clipping=clipping, clipping_fn="abadi", C=0.05, path=path, B=x.shape[0], seed=3)
-    with mock.patch.object(linear_mod, "choose_path", spy):
-        check_oracle(model, x, clip)
+    sites, init = [], Site.__init__
+
+    def track(self, *a):
+        init(self, *a)
+        sites.append(weakref.ref(self))
+
+    with mock.patch.object(paths_mod, "choose_path", spy), mock.patch.object(Site, "__init__", track):
+        check_oracle(model, x, clip, engines=engines)
     if path == "reuse" and clipping == "layer-wise":
         assert set(taken) == {"reuse"}
     elif path in ("ghost", "inst") or kind == "linear_2d":  # T = 1: the cost model
         assert "reuse" not in taken
     elif clipping == "all-layer" and path is None:  # deferred: reuse only within the memory budget
         assert ("reuse" in taken) == (kind in ("conv2d", "conv2d_groups", "conv2d_reflect", "conv1d_dilated"))
-    from lightning_dpzero.per_sample.registry import find_rule
-    for m in model.modules():
-        rule = find_rule(m)
-        assert rule is None or len(linear_mod.kept_sites(rule)) == 0  # nothing kept beyond its site
+    # nothing kept beyond its site: the engine (still alive) holds no site after the pass, no site object
+    # survives it, and the rules hold no state at all
+    engine = engines[0]
+    assert not engine._records and not engine._deferred
+    assert sites and all(ref() is None for ref in sites)
+    assert all(not vars(rule) for rule in registry.RULES.values())
+    # the engine records each layer's path: the choices the cost model (or the forced path) made
+    assert set(engine.last_paths.values()) == set(taken)
+    assert set(engine.last_paths) == {n for n, m in model.named_modules() if list(m.parameters(recurse=False))}
 
 
 def test_cost_model_choices():

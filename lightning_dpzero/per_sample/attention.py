@@ -191,21 +191,21 @@ class MultiheadAttentionRule(LayerRule):
                 ("v", gk[:, S] if gk.shape[1] > S else None), ("v", gv[:, S] if gv.shape[1] > S else None),
                 ("w", [(c, go)]), ("b", [go])]
 
-    def _slots(self, module, x, g, mask, fn):
+    def _slots(self, site, mask, fn):
         """``fn(kind, t, param)`` for each parameter slot that ``mask`` selects, ``None`` elsewhere."""
         return [fn(kind, t, p) if m else None
-                for (kind, t), m, p in zip(self._pieces(x, g), mask, self.params(module))]
+                for (kind, t), m, p in zip(self._pieces(site.x, site.g), mask, self.params(site.module))]
 
-    def norm_sq(self, module, x, g, mask):
+    def norm_sq(self, site, mask):
         def sq(kind, t, p):
             if kind == "w":
                 return sum(rows_norm_sq(a, gg, rows_path(a, gg)) for a, gg in t)
             if kind == "b":
                 return sum(per_example_sq(gg.float().sum(1)) for gg in t)
             return per_example_sq(t)
-        return self._slots(module, x, g, mask, sq)
+        return self._slots(site, mask, sq)
 
-    def per_example(self, module, x, g, mask):
+    def per_example(self, site, mask):
         def per(kind, t, p):
             if kind == "w":
                 pe = torch.cat([rows_per_example(a, gg) for a, gg in t], 1)
@@ -214,9 +214,9 @@ class MultiheadAttentionRule(LayerRule):
             else:
                 pe = t.float()
             return pe.reshape(pe.shape[0], *param_shape(p))
-        return self._slots(module, x, g, mask, per)
+        return self._slots(site, mask, per)
 
-    def clipped_grads(self, module, x, g, coef, mask):
+    def clipped_grads(self, site, coef, mask):
         def clipped(kind, t, p):
             if kind == "w":
                 s = torch.cat([weighted_rows_grad(a, gg, coef) for a, gg in t], 0)
@@ -224,5 +224,5 @@ class MultiheadAttentionRule(LayerRule):
                 s = torch.cat([weighted_sum(gg.float().sum(1), coef) for gg in t], 0)
             else:
                 s = weighted_sum(t.float(), coef)
-            return s.to(g[0].dtype).reshape(param_shape(p))
-        return self._slots(module, x, g, mask, clipped)
+            return s.to(site.g[0].dtype).reshape(param_shape(p))
+        return self._slots(site, mask, clipped)

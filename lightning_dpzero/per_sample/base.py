@@ -1,19 +1,22 @@
-"""Layer rules and the autograd function that lets a layer emit its own clipped weight gradient.
+"""Layer rules, the per-call site they work on, and the autograd functions that let a layer emit its own
+clipped weight gradient.
 
-A *rule* knows one layer family (``nn.Linear``, ``nn.Conv2d``, ...): the plain forward, the input
-gradient, the per-example squared gradient norms of its trainable parameters, and the sum of the
-per-example gradients weighted by clipping coefficients. ``PerSampleFunction`` runs the forward and, in
-backward, asks the engine what to return for the parameters, so DeepSpeed's own gradient hooks see the
-*clipped* gradient (DESIGN §4: no patching of DeepSpeed).
+A *rule* (:class:`LayerRule`) knows one layer family (``nn.Linear``, ``nn.Conv2d``, ...): the plain forward,
+the input gradient, the per-example squared gradient norms of its trainable parameters, and the sum of the
+per-example gradients weighted by clipping coefficients. One instance serves every layer of its family in
+every engine, so it holds no state of a call: what one call needs between its backward's steps lives on
+the :class:`Site` the engine hands to each method. ``PerSampleFunction`` runs the forward and, in backward,
+asks the engine what to return for the parameters, so DeepSpeed's own gradient hooks see the *clipped*
+gradient (docs/design.md, *Where each piece runs*: DeepSpeed is never patched).
 
-Shapes: ``x`` is the layer input with the batch first, ``(B, ...)``; ``g`` is the gradient of the
+Shapes: ``site.x`` is the layer input with the batch first, ``(B, ...)``; ``site.g`` is the gradient of the
 (scaled) loss with respect to the layer output, ``(B, ...)``.
 
 Layers called with several tensors and options (attention: ``mha(q, k, v, key_padding_mask=...)``) set
-``LayerRule.multi_input``: the hook keeps the call's other arguments, ``PerSampleFunction.apply`` hands the
-rule's :meth:`~LayerRule.bind` result to :class:`MultiInputFunction`, whose backward asks the rule for the
-input gradients *and* what its norms need in one go (:meth:`~LayerRule.backward_multi`). ``x`` and ``g`` are
-then whatever the rule records (an :class:`Inputs` for ``x``, whose ``shape[0]`` is the batch size).
+:attr:`LayerRule.multi_input`: :func:`run_call` hands the rule's :meth:`~LayerRule.bind` result to
+:class:`MultiInputFunction`, whose backward asks the rule for the input gradients *and* what its norms need
+in one go (:meth:`~LayerRule.backward_multi`). ``site.x`` and ``site.g`` are then whatever the rule records
+(an :class:`Inputs` for ``x``, whose ``shape[0]`` is the batch size).
 """
 
 from __future__ import annotations
@@ -25,50 +28,101 @@ import torch
 from torch import nn
 
 
-class LayerRule:
-    """Per-example machinery for one layer family. Subclasses live one family per file."""
+class Site:
+    """One call of an attached layer, as its backward sees it: created by the autograd function's backward,
+    handed to the rule's :meth:`~LayerRule.grad_input`, :meth:`~LayerRule.norm_sq`,
+    :meth:`~LayerRule.per_example` and :meth:`~LayerRule.clipped_grads`, held by the engine until the
+    clipped sums of its groups are formed, then dropped (at the latest when the backward pass ends). Two
+    calls, two engines or two threads never share one."""
 
-    #: module classes handled (a subclass is accepted when it overrides none of ``forward_methods``)
-    module_types: tuple[type, ...] = ()
-    #: methods whose override by a subclass changes what the layer computes (the subclass is then refused)
+    __slots__ = ("hook", "x", "g", "scale", "completes", "path", "kept", "__weakref__")
+
+    def __init__(self, hook: "LayerHook", x: Any, g: Any):
+        self.hook = hook
+        """The attached layer (``hook.module``, ``hook.name``) this call belongs to."""
+        self.x = x
+        """The layer's input, batch first (a multi-input rule's record, see the module docstring)."""
+        self.g = g
+        """The gradient of the loss with respect to the layer's output, batch first (or the rule's record)."""
+        self.scale = 1.0
+        """Set by the engine: ``g`` × ``scale`` is the gradient of each example's own loss."""
+        self.completes = False
+        """Set by the engine before ``norm_sq``: every group of this site completes here and is returned from
+        here (layer-wise), so ``clipped_grads`` follows at once; otherwise it may come at the end of the
+        backward pass (see :func:`.paths.may_keep`)."""
+        self.path: Optional[str] = None
+        """The path the rule took for the weight gradient (``"ghost"``, ``"instantiate"``, ``"reuse"``) or
+        ``None``; the engine publishes it in ``PerSampleEngine.last_paths``."""
+        self.kept: dict[str, Any] = {}
+        """What the rule keeps between its methods for this call (per-example tensors its norm formed, for
+        the clipped sum; a normalisation its input gradient computed): private to the rule."""
+
+    @property
+    def module(self) -> nn.Module:
+        return self.hook.module
+
+
+class LayerRule:
+    """Per-example machinery for one layer family, registered with ``@register_rule(...)`` in its own file.
+
+    Every attribute a rule may set is declared here with its default; the engine reads them as they are.
+    The methods get the call's :class:`Site` and keep nothing on ``self``: a rule instance is shared by
+    every layer of its family in every engine.
+    """
+
+    module_types: tuple = ()
+    """Set by ``register_rule``: the layer classes (and ``"package.ClassName"`` names) the rule is
+    registered for. A subclass of a registered class is accepted when it overrides none of
+    ``forward_methods``."""
     forward_methods: tuple[str, ...] = ("forward",)
-    #: the layer takes several tensors/options (see the module docstring); single-input rules leave it False
-    multi_input: bool = False
-    #: names of the parameters the rule covers, in the order passed to :class:`PerSampleFunction`
+    """Methods whose override by a subclass changes what the layer computes (the subclass is then refused)."""
     param_names: tuple[str, ...] = ("weight", "bias")
-    #: ``norm_sq`` accepts ``keep=True``, which the engine passes when the site completes its clipping groups
-    #: (layer-wise): ``clipped_grads`` for the same ``x``/``g`` objects follows at once, so the rule may reuse
-    #: per-example tensors its norm formed (``linear.KeptSites``) instead of recomputing them
-    keeps_per_example: bool = False
+    """Names of the parameters the rule covers, in the order passed to the autograd function and of every
+    ``mask`` and returned list; an absent one (``bias=False``) is ``None``."""
+    multi_input: bool = False
+    """The layer is called with several tensors and options (see the module docstring): the rule implements
+    :meth:`bind` and :meth:`backward_multi`; single-input rules leave it False."""
+    owned_children: tuple[str, ...] = ()
+    """Child modules whose parameters this rule clips itself because the layer reads them without calling
+    them (``MultiheadAttention.out_proj``): the engine gives them no rule of their own, and under ZeRO-3 the
+    layer must be a leaf module (``PerSampleEngine.zero3_leaf_types``)."""
+    min_input_dim: int = 1
+    """The fewest dimensions of the input; fewer is refused at the forward (Embedding: 2, so that a ``(T,)``
+    index, whose length could equal the batch size by chance, is not taken for T examples)."""
+    broadcast_batch: bool = False
+    """An input with batch dimension 1 in a larger micro-batch (position ids ``(1, T)``) is expanded to the
+    batch, so each example gets its own copy and its own gradient; otherwise it is refused."""
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise ``UnsupportedLayerError`` for configurations the rule cannot clip (before training)."""
 
     def params(self, module: nn.Module) -> list[Optional[torch.Tensor]]:
+        """The module's parameters in ``param_names`` order (``None`` for an absent one)."""
         return [getattr(module, n, None) for n in self.param_names]
 
     def forward(self, module: nn.Module, x: torch.Tensor, *params: Optional[torch.Tensor]) -> torch.Tensor:
+        """The layer's output for input ``x`` and the given parameters (the module's own forward)."""
         raise NotImplementedError
 
-    def grad_input(self, module, x, params, g) -> torch.Tensor:
-        """Gradient with respect to ``x``; the default recomputes the forward under autograd."""
+    def grad_input(self, site: Site, params: list[Optional[torch.Tensor]]) -> torch.Tensor:
+        """Gradient with respect to ``site.x``; the default recomputes the forward under autograd."""
         with torch.enable_grad():
-            x_ = x.detach().requires_grad_(True)
-            out = self.forward(module, x_, *[p.detach() if p is not None else None for p in params])
-            (gx,) = torch.autograd.grad(out, x_, g)
+            x_ = site.x.detach().requires_grad_(True)
+            out = self.forward(site.module, x_, *[p.detach() if p is not None else None for p in params])
+            (gx,) = torch.autograd.grad(out, x_, site.g)
         return gx
 
-    def norm_sq(self, module, x, g, mask: list[bool]) -> list[Optional[torch.Tensor]]:
+    def norm_sq(self, site: Site, mask: list[bool]) -> list[Optional[torch.Tensor]]:
         """Per parameter (``None`` where ``mask`` is False): per-example squared gradient norms, ``(B,)`` fp32."""
         raise NotImplementedError
 
-    def per_example(self, module, x, g, mask: list[bool]) -> list[Optional[torch.Tensor]]:
+    def per_example(self, site: Site, mask: list[bool]) -> list[Optional[torch.Tensor]]:
         """Per parameter: the instantiated per-example gradients ``(B, *param.shape)`` fp32 (for parameters
         shared by several call sites, whose norm needs the sum of the sites' contributions)."""
         raise NotImplementedError
 
-    def clipped_grads(self, module, x, g, coef: torch.Tensor, mask: list[bool]) -> list[Optional[torch.Tensor]]:
-        """Per parameter: ``Σ_i coef_i · g_i`` (``None`` where ``mask`` is False), in ``g``'s dtype."""
+    def clipped_grads(self, site: Site, coef: torch.Tensor, mask: list[bool]) -> list[Optional[torch.Tensor]]:
+        """Per parameter: ``Σ_i coef_i · g_i`` (``None`` where ``mask`` is False), in ``site.g``'s dtype."""
         raise NotImplementedError
 
     # ---- multi-input rules only (``multi_input = True``)
@@ -79,14 +133,14 @@ class LayerRule:
 
     def backward_multi(self, module, inputs: "Inputs", params, grads: tuple, needs_input_grad: tuple
                        ) -> tuple[list[Optional[torch.Tensor]], Any, Any]:
-        """Gradients for ``inputs`` (``None`` where not needed) and the ``(x, g)`` records that
-        ``norm_sq``/``per_example``/``clipped_grads`` receive; ``grads`` has one entry per output, ``None``
-        for an unused output."""
+        """Gradients for ``inputs`` (``None`` where not needed) and the ``(x, g)`` records that the call's
+        :class:`Site` carries to ``norm_sq``/``per_example``/``clipped_grads``; ``grads`` has one entry per
+        output, ``None`` for an unused output."""
         raise NotImplementedError
 
 
 class UnsupportedLayerError(RuntimeError):
-    """A trainable parameter would not receive a clipped per-example gradient (DESIGN I5)."""
+    """A trainable parameter would not receive a clipped per-example gradient (docs/design.md, I5)."""
 
 
 class Inputs(tuple):
@@ -107,16 +161,8 @@ class PerSampleFunction(torch.autograd.Function):
     """``out = rule.forward(module, x, *params)``; backward returns the engine's clipped parameter gradients.
 
     The parameters are inputs of the function, so autograd accumulates what backward returns into
-    ``param.grad`` and DeepSpeed's reduce hooks fire on it as on any gradient. ``apply`` sends calls of
-    multi-input rules to :class:`MultiInputFunction`.
+    ``param.grad`` and DeepSpeed's reduce hooks fire on it as on any gradient.
     """
-
-    @classmethod
-    def apply(cls, hook, x, *params):
-        if not hook.rule.multi_input:
-            return super().apply(hook, x, *params)
-        tensors, options = hook.rule.bind(hook.module, x, *hook.extra)
-        return MultiInputFunction.apply(hook, options, len(tensors), *tensors, *params)
 
     @staticmethod
     def forward(ctx, hook, x, *params):
@@ -131,9 +177,9 @@ class PerSampleFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x = saved.pop(0)
         params = [saved.pop(0) if has else None for has in ctx.has_params]
-        gx = hook.rule.grad_input(hook.module, x, params, g) if ctx.needs_input_grad[1] else None
-        param_grads = hook.engine._on_backward(hook, x, g, params)
-        return (None, gx, *param_grads)
+        site = Site(hook, x, g)
+        gx = hook.rule.grad_input(site, params) if ctx.needs_input_grad[1] else None
+        return (None, gx, *hook.engine._on_backward(site, params))
 
 
 class MultiInputFunction(torch.autograd.Function):
@@ -157,7 +203,16 @@ class MultiInputFunction(torch.autograd.Function):
         rest = saved[n:]
         params = [rest.pop(0) if has else None for has in ctx.has_params]
         gin, x, g = hook.rule.backward_multi(hook.module, inputs, params, grads, ctx.needs_input_grad[3:3 + n])
-        return (None, None, None, *gin, *hook.engine._on_backward(hook, x, g, params))
+        return (None, None, None, *gin, *hook.engine._on_backward(Site(hook, x, g), params))
+
+
+def run_call(hook: "LayerHook", x: torch.Tensor, params: list, extra: tuple[tuple, dict]):
+    """One clipped call of an attached layer: through :class:`PerSampleFunction`, or for a multi-input rule
+    through :class:`MultiInputFunction` with the call's other arguments ``extra`` (args, kwargs) bound."""
+    if not hook.rule.multi_input:
+        return PerSampleFunction.apply(hook, x, *params)
+    tensors, options = hook.rule.bind(hook.module, x, *extra)
+    return MultiInputFunction.apply(hook, options, len(tensors), *tensors, *params)
 
 
 class LayerHook:
@@ -166,12 +221,10 @@ class LayerHook:
     def __init__(self, engine, module: nn.Module, name: str, rule: LayerRule):
         self.engine, self.module, self.name, self.rule = engine, module, name, rule
         self.module_forward = module.forward
-        # what the engine runs when it does not clip (eval, no grad); a multi-input call keeps its arguments
-        self.original_forward = self._original_multi if rule.multi_input else module.forward
-        self.extra: tuple[tuple, dict] = ((), {})  # the other arguments of the multi-input call in progress
 
-    def _original_multi(self, x):
-        return self.module_forward(x, *self.extra[0], **self.extra[1])
+    def original_forward(self, x, extra: tuple[tuple, dict] = ((), {})):
+        """What the engine runs when it does not clip (eval, no grad), with the call's other arguments."""
+        return self.module_forward(x, *extra[0], **extra[1])
 
     def __call__(self, *args, **kwargs):
         if self.rule.multi_input:
@@ -180,11 +233,7 @@ class LayerHook:
                 args = (kwargs.pop(first),) if first in kwargs else ()
             if not args:
                 raise TypeError(f"{type(self.module).__name__} '{self.name}' was called without its first input.")
-            self.extra = (args[1:], kwargs)
-            try:
-                return self.engine._forward(self, args[0])
-            finally:
-                self.extra = ((), {})
+            return self.engine._forward(self, args[0], (args[1:], kwargs))
         if len(args) != 1 or kwargs:
             raise UnsupportedLayerError(
                 f"{type(self.module).__name__} '{self.name}' was called with extra arguments; "

@@ -104,9 +104,10 @@ class ConvRule(LinearRule):
                 f"needs a batched input (B, C, {', '.join('*' * n)}), batch first.")
         return module._conv_forward(x, weight, bias)  # PyTorch's own: padding modes, asymmetric 'same'
 
-    def grad_input(self, module, x, params, g):
+    def grad_input(self, site, params):
+        module, x, g = site.module, site.x, site.g
         if _kernels_cannot_pad(module):
-            return LayerRule.grad_input(self, module, x, params, g)  # recompute through F.pad
+            return LayerRule.grad_input(self, site, params)  # recompute through F.pad
         return _conv_backward(module, x.to(g.dtype), params[0].to(g.dtype), g, [l for l, _ in _pads(module)],
                               module.groups, want_input=True)
 

@@ -50,20 +50,23 @@ class EmbeddingRule(LayerRule):
         rows = torch.zeros(uniq.numel(), p, dtype=torch.float32, device=gg.device)
         return uniq, rows.index_add_(0, inv, gg.reshape(-1, p).float())
 
-    def norm_sq(self, module, x, g, mask):
-        uniq, rows = self._segments(module, x, g)
+    def norm_sq(self, site, mask):
+        module, x = site.module, site.x
+        uniq, rows = self._segments(module, x, site.g)
         out = torch.zeros(x.shape[0], dtype=torch.float32, device=rows.device)
         V = module.num_embeddings
         return [out.index_add_(0, torch.div(uniq, V, rounding_mode="floor"), rows.pow(2).sum(1))]
 
-    def per_example(self, module, x, g, mask):
-        uniq, rows = self._segments(module, x, g)
+    def per_example(self, site, mask):
+        module, x = site.module, site.x
+        uniq, rows = self._segments(module, x, site.g)
         B, V = x.shape[0], module.num_embeddings
         out = torch.zeros(B * V, rows.shape[1], dtype=torch.float32, device=rows.device)
         return [out.index_copy_(0, uniq, rows).view(B, V, rows.shape[1])]
 
-    def clipped_grads(self, module, x, g, coef, mask):
-        idx, gg = self._rows(module, x, g)
+    def clipped_grads(self, site, coef, mask):
+        module, g = site.module, site.g
+        idx, gg = self._rows(module, site.x, g)
         gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
         out = torch.zeros(module.num_embeddings, gg.shape[-1], dtype=g.dtype, device=g.device)
         return [out.index_add_(0, idx.reshape(-1), gw)]

@@ -1,4 +1,5 @@
-"""The per-example engine: attaches to a module's supported layers and clips per example (DESIGN §2, §4).
+"""The per-example engine: attaches to a module's supported layers and clips per example (docs/design.md,
+*The mechanism* and *The per-example engine*).
 
 Usage without Lightning (the functional API the strategy uses)::
 
@@ -33,7 +34,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .base import LayerHook, PerSampleFunction, UnsupportedLayerError
+from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import clip_coefficients, layer_thresholds, validate_clipping, validate_group_thresholds
 from .parameters import ParameterHook, broadcast_candidates
 from .registry import find_rule, has_registered_base, unsupported_reason
@@ -86,6 +87,9 @@ class PerSampleEngine:
         self._reset_pass()
         self.reset_stats()
         self.last_norms: Optional[torch.Tensor] = None
+        #: per layer name, the path its rule took for the weight gradient in the last backward (``"ghost"``,
+        #: ``"instantiate"``, ``"reuse"``; a layer called several times: its site whose backward ran last)
+        self.last_paths: dict[str, str] = {}
 
     # ---------------------------------------------------------------- attach / validate
     def attach(self) -> "PerSampleEngine":
@@ -125,7 +129,7 @@ class PerSampleEngine:
         return self
 
     def _check_batch_mixing(self) -> None:
-        """Refuse layers whose training forward is not per-example, trainable or not (DESIGN I5)."""
+        """Refuse layers whose training forward is not per-example, trainable or not (docs/design.md, I5)."""
         bad = []
         for name, mod in self.module.named_modules():
             if isinstance(mod, nn.modules.batchnorm._BatchNorm):
@@ -144,7 +148,7 @@ class PerSampleEngine:
     def zero3_leaf_types(self) -> list[type]:
         """Module types whose rule reads child modules' weights without calling them (e.g. attention's
         ``out_proj``): ZeRO-3 must gather them as one leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
-        return sorted({type(h.module) for h in self.hooks if getattr(h.rule, "owned_children", ())},
+        return sorted({type(h.module) for h in self.hooks if h.rule.owned_children},
                       key=lambda t: t.__name__)
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
@@ -237,7 +241,7 @@ class PerSampleEngine:
             handle.remove()
         self.hooks, self._guards, self.active = [], [], False
 
-    # ---------------------------------------------------------------- guard (DESIGN I5 at run time)
+    # ---------------------------------------------------------------- guard (docs/design.md, I5 at run time)
     def _install_guards(self) -> None:
         """A hook on every covered parameter checks, in each backward, that the gradient about to be
         accumulated is exactly what the engine's sites returned: a use of the parameter outside its layer
@@ -303,15 +307,17 @@ class PerSampleEngine:
         self._records: dict[int, list] = {}
         self._deferred: list = []
         self._emitted: dict[int, torch.Tensor] = {}  # per parameter: Σ of what its sites returned (the guard)
+        self._paths: dict[str, str] = {}  # per layer: the path of its weight gradient (``last_paths``)
         self._total_sq: Optional[torch.Tensor] = None
         self._pending = False
 
-    def _forward(self, hook: LayerHook, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
+        """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
         if not self.clipping_now():
-            return hook.original_forward(x)
+            return hook.original_forward(x, extra)
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
-        if x.dim() < getattr(hook.rule, "min_input_dim", 1):
+        if x.dim() < hook.rule.min_input_dim:
             # a (T,) index such as nanoGPT's pos_emb(torch.arange(T)) has no batch dimension; when T equals the
             # micro-batch size it would pass the check below and mix examples' gradients
             raise UnsupportedLayerError(
@@ -320,7 +326,7 @@ class PerSampleEngine:
                 "every example): e.g. pos_emb(torch.arange(T, device=x.device)[None]), and (B, 1) for one index "
                 "per example.")
         b = self.expected_batch_size
-        if b is not None and x.shape[0] == 1 and b != 1 and getattr(hook.rule, "broadcast_batch", False):
+        if b is not None and x.shape[0] == 1 and b != 1 and hook.rule.broadcast_batch:
             x = x.expand(b, *x.shape[1:])
         if b is not None and x.shape[0] != b:
             raise UnsupportedLayerError(
@@ -330,7 +336,7 @@ class PerSampleEngine:
                 "and use batch_first=True."
             )
         self._register_site(hook)
-        return PerSampleFunction.apply(hook, x, *hook.rule.params(hook.module))
+        return run_call(hook, x, hook.rule.params(hook.module), extra)
 
     def _register_site(self, hook: LayerHook) -> None:
         for k in hook.groups:
@@ -340,25 +346,28 @@ class PerSampleEngine:
                 self._param_sites[i] = self._param_sites.get(i, 0) + 1
 
     # ---------------------------------------------------------------- backward
-    def _on_backward(self, hook: LayerHook, x, g, params) -> list[Optional[torch.Tensor]]:
+    def _on_backward(self, site: Site, params) -> list[Optional[torch.Tensor]]:
+        """A site's backward: its norms, then the clipped gradients it returns (zeros where deferred)."""
         if not self._pending:  # one finalize per backward pass (deferred gradients, statistics)
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
-        scale = self.grad_scale * (x.shape[0] if self.loss_reduction == "mean" else 1)
+        hook = site.hook
+        scale = site.scale = self.grad_scale * (site.x.shape[0] if self.loss_reduction == "mean" else 1)
         ids = hook.param_ids
         shared = [i is not None and self._param_sites.get(i, 0) > 1 for i in ids]
         plain = [i is not None and not s for i, s in zip(ids, shared)]
         if any(plain):
-            # keep=True: the clipped sum follows at this site, so the rule may reuse what its norm instantiated
-            kw = {"keep": True} if getattr(hook.rule, "keeps_per_example", False) and self._completes_at(hook) else {}
-            for i, sq in zip(ids, hook.rule.norm_sq(hook.module, x, g, plain, **kw)):
+            # the clipped sum follows at this site: the rule may reuse what its norm instantiated
+            site.completes = self._completes_at(hook)
+            for i, sq in zip(ids, hook.rule.norm_sq(site, plain)):
                 if sq is not None:
                     self._add(self._group_sq, self.group_of[i], sq * (scale * scale))
         if any(shared):
-            for i, pe in zip(ids, hook.rule.per_example(hook.module, x, g, shared)):
+            for i, pe in zip(ids, hook.rule.per_example(site, shared)):
                 if pe is not None:
                     self._add(self._shared_sum, i, pe * scale)
-        site = (hook, x, g, scale)
+        if site.path is not None:
+            self._paths[hook.name] = site.path
         out: dict[int, torch.Tensor] = {}
         for k in hook.groups:
             self._records.setdefault(k, []).append(site)
@@ -399,9 +408,10 @@ class PerSampleEngine:
     def _clipped(self, ids: set[int], coef: torch.Tensor, records: list) -> dict[int, torch.Tensor]:
         """Σ over sites of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id."""
         out: dict[int, torch.Tensor] = {}
-        for hook, x, g, scale in records:
+        for site in records:
+            hook = site.hook
             mask = [i in ids for i in hook.param_ids]
-            grads = hook.rule.clipped_grads(hook.module, x, g, coef * (scale * self.emit_scale), mask)
+            grads = hook.rule.clipped_grads(site, coef * (site.scale * self.emit_scale), mask)
             for i, gr in zip(hook.param_ids, grads):
                 if gr is not None:
                     self._add(out, i, gr)
@@ -419,9 +429,10 @@ class PerSampleEngine:
                     p.grad = gr.to(p.dtype)
                 else:
                     p.grad.add_(gr.to(p.grad.dtype).view_as(p.grad))
-        total = self._total_sq
+        total, paths = self._total_sq, self._paths
         self._reset_pass()
-        if total is not None:
+        if total is not None:  # a backward ran (``micro_batch`` calls this again after the queued call)
+            self.last_paths = paths
             self._update_stats(total.sqrt())
 
     # ---------------------------------------------------------------- statistics

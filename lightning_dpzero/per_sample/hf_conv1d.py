@@ -34,8 +34,8 @@ class HFConv1DRule(LinearRule):
         out = x.matmul(weight)
         return out if bias is None else out + bias
 
-    def grad_input(self, module, x, params, g):
-        return g.matmul(params[0].to(g.dtype).t())
+    def grad_input(self, site, params):
+        return site.g.matmul(params[0].to(site.g.dtype).t())
 
     def _instantiate(self, module, x, g):
         a, gg = batch_rows(x), batch_rows(g)

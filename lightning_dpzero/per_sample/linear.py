@@ -10,63 +10,27 @@ the clipped matmul, or the instantiated gradients kept on the site and reused fo
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .base import LayerRule
 from .maths import (batch_rows, param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad,
                     weighted_sum)
-from .paths import choose_path, fits_deferred
-
-
-class KeptSites:
-    """Per-example tensors a rule formed for a site's norm, kept for the same site's clipped sum.
-
-    Keyed weakly by the site's output gradient ``g`` (the engine's records hold it until the clipped sum is
-    formed), so an entry can never outlive its site: if the pass is abandoned, the entry goes with ``g``.
-    ``x`` is checked by identity too."""
-
-    def __init__(self):
-        self._d = WeakIdKeyDictionary()
-
-    def put(self, x, g, value) -> None:
-        self._d[g] = (x, value)
-
-    def take(self, x, g):
-        hit = self._d.pop(g, None)
-        return hit[1] if hit is not None and hit[0] is x else None
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-
-def kept_sites(rule) -> KeptSites:
-    """The rule instance's store (rules are shared by every layer of their type)."""
-    store = rule.__dict__.get("_kept_sites")
-    if store is None:
-        store = rule._kept_sites = KeptSites()
-    return store
+from .paths import weight_path
 
 
 class LinearRule(LayerRule):
     """``nn.Linear``; also the base of the HF Conv1D and Conv rules (same rows, other layouts)."""
 
     module_types = (nn.Linear,)
-    #: ``norm_sq`` accepts ``keep=True`` (the engine forms the clipped sum right after, at this site)
-    keeps_per_example = True
-
-    #: the last choice made (``"reuse"``/``"ghost"``/``"instantiate"``), for benchmarks and tests
-    last_path: Optional[str] = None
 
     def forward(self, module, x, weight, bias=None):
         return F.linear(x, weight, bias)
 
-    def grad_input(self, module, x, params, g):
-        return g.matmul(params[0].to(g.dtype))
+    def grad_input(self, site, params):
+        return site.g.matmul(params[0].to(site.g.dtype))
 
     def _rows(self, module, x, g):
         """The layer as T rows per example: inputs (B, T, d) and output gradients (B, T, p)."""
@@ -94,31 +58,32 @@ class LinearRule(LayerRule):
         a, gg = self._rows(module, x, g)
         return weighted_rows_grad(a, gg, coef).view(param_shape(module.weight))
 
-    def norm_sq(self, module, x, g, mask, keep: bool = False):
+    def norm_sq(self, site, mask):
+        module, x, g = site.module, site.x, site.g
         w = None
         bias = len(mask) > 1 and mask[1]
         pb = self._bias_rows(module, g) if bias else None
         if mask[0]:
-            B, T, d, p = self._dims(module, x, g)
-            reusable = B > 0 and (keep or fits_deferred(x, g, math.prod(param_shape(module.weight))))
-            path = choose_path(T, d, p, reusable, g.device.type, g.dtype)
-            self.last_path = path
-            if path == "reuse":
+            _, T, d, p = self._dims(module, x, g)
+            path = weight_path(site, T, d, p, math.prod(param_shape(module.weight)))
+            if path == "reuse":  # kept on the site for its clipped sum
                 per = self._instantiate(module, x, g)
                 w = per_example_sq(per)
-                kept_sites(self).put(x, g, (per, pb))
+                site.kept["per_example"] = (per, pb)
             else:
                 w = self._weight_norm_sq(module, x, g, path)
         return [w, pb.pow(2).sum(1) if bias else None]
 
-    def per_example(self, module, x, g, mask):
+    def per_example(self, site, mask):
+        module, x, g = site.module, site.x, site.g
         w = self._instantiate(module, x, g) if mask[0] else None
         b = self._bias_rows(module, g) if len(mask) > 1 and mask[1] else None
         return [w, b]
 
-    def clipped_grads(self, module, x, g, coef, mask):
+    def clipped_grads(self, site, coef, mask):
+        module, x, g = site.module, site.x, site.g
         w = b = None
-        kept = kept_sites(self).take(x, g) if mask[0] else None
+        kept = site.kept.pop("per_example", None) if mask[0] else None
         if mask[0]:
             w = weighted_sum(kept[0], coef).to(g.dtype) if kept is not None else self._weighted_weight(module, x, g, coef)
         if len(mask) > 1 and mask[1]:

@@ -5,7 +5,8 @@ Their parameters are small (p = normalised size or channels), so the per-example
 exactly; x̂ is the input normalised without the affine map, in fp32. LayerNorm and GroupNorm/InstanceNorm
 compute the input gradient with PyTorch's own backward kernel from one normalisation of the saved input,
 whose x̂ the norms reuse (fp32 inputs; other dtypes recompute x̂ in fp32), and the ``(B, p)`` per-example
-gradients of the norm are kept for the site's clipped sum: one normalisation per backward instead of three.
+gradients of the norm are kept for the site's clipped sum (both on the call's ``Site``; whether to keep is
+:func:`.paths.may_keep`'s): one normalisation per backward instead of three.
 
 All of these normalise each example with its own statistics, so per-example gradients exist. InstanceNorm
 with ``track_running_stats=True`` is refused: its running mean and variance are averages over the training
@@ -23,47 +24,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError
-from .linear import kept_sites
 from .maths import param_shape
-from .paths import fits_deferred
+from .paths import may_keep
 
 
 class _AffineNormRule(LayerRule):
-    #: ``norm_sq`` accepts ``keep=True``; the (B, p) per-example gradients are kept for the site's clipped sum
-    #: (also for a group completed later: they are small beside the site's own records)
-    keeps_per_example = True
-    _xhat: Optional[tuple] = None  # (x, x̂ fp32) from ``grad_input`` of the site in progress
+    """The (B, p) per-example gradients are kept on the site for its clipped sum, also for a group completed
+    later (they are small beside the site's own records)."""
 
-    def _normalized(self, module, x):
-        raise NotImplementedError
-
-    def _per_example(self, module, x, g):
+    def _per_example(self, site):
         """(weight, bias) per-example gradients, each ``(B, p)`` fp32."""
         raise NotImplementedError
 
-    def _take_xhat(self, x):
-        """x̂ that ``grad_input`` computed for this very input (fp32 inputs only), else None."""
-        kept, self._xhat = self._xhat, None
-        return kept[1] if kept is not None and kept[0] is x else None
+    @staticmethod
+    def _keep_xhat(site, x, xh) -> None:
+        """Keep x̂ that ``grad_input`` computed from ``x`` (fp32 inputs only) for the norms of this site."""
+        if x.dtype == torch.float32:
+            site.kept["xhat"] = (x, xh)
 
-    def norm_sq(self, module, x, g, mask, keep: bool = False):
-        per = self._per_example(module, x, g)
-        if keep or fits_deferred(x, g, sum(t.shape[1] for t in per)):  # (B, p): small beside x and g
-            kept_sites(self).put(x, g, per)
+    @staticmethod
+    def _take_xhat(site) -> Optional[torch.Tensor]:
+        """x̂ that ``grad_input`` computed for this very input (not for a contiguous copy of it), else None."""
+        kept = site.kept.pop("xhat", None)
+        return kept[1] if kept is not None and kept[0] is site.x else None
+
+    def norm_sq(self, site, mask):
+        per = self._per_example(site)
+        if may_keep(site, sum(t.shape[1] for t in per)):
+            site.kept["per_example"] = per
+            site.path = "reuse"
+        else:
+            site.path = "instantiate"
         return [t.pow(2).sum(1) if m else None for t, m in zip(per, mask)]
 
-    def per_example(self, module, x, g, mask):
-        per = self._per_example(module, x, g)
-        params = self.params(module)
+    def per_example(self, site, mask):
+        per = self._per_example(site)
+        params = self.params(site.module)
         return [t.view(t.shape[0], *param_shape(p)) if m else None for t, p, m in zip(per, params, mask)]
 
-    def clipped_grads(self, module, x, g, coef, mask):
-        per = kept_sites(self).take(x, g)
+    def clipped_grads(self, site, coef, mask):
+        per = site.kept.pop("per_example", None)
         if per is None:
-            per = self._per_example(module, x, g)
-        params = self.params(module)
+            per = self._per_example(site)
+        params = self.params(site.module)
         c = coef.view(1, -1)
-        return [c.mm(t).view(param_shape(p)).to(g.dtype) if m else None for t, p, m in zip(per, params, mask)]
+        return [c.mm(t).view(param_shape(p)).to(site.g.dtype) if m else None for t, p, m in zip(per, params, mask)]
 
 
 def _same_dtype(x, g, params) -> bool:
@@ -76,20 +81,22 @@ class LayerNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None, bias=None):
         return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
 
-    def grad_input(self, module, x, params, g):
+    def grad_input(self, site, params):
         """PyTorch's own LayerNorm backward from one normalisation, whose x̂ the norms then reuse (fp32)."""
+        module, x, g = site.module, site.x, site.g
         if not _same_dtype(x, g, params):
-            return super().grad_input(module, x, params, g)
+            return super().grad_input(site, params)
         shape = list(module.normalized_shape)
         xh, mean, rstd = torch.native_layer_norm(x, shape, None, None, module.eps)
         w, b = (list(params) + [None, None])[:2]
         gx = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, [True, False, False])[0]
-        self._xhat = (x, xh) if x.dtype == torch.float32 else None
+        self._keep_xhat(site, x, xh)
         return gx
 
-    def _per_example(self, module, x, g):
+    def _per_example(self, site):
+        module, x, g = site.module, site.x, site.g
         n = math.prod(module.normalized_shape)
-        xh = self._take_xhat(x)
+        xh = self._take_xhat(site)
         if xh is None:
             xh = F.layer_norm(x.float(), module.normalized_shape, None, None, module.eps)
         B = x.shape[0]
@@ -104,10 +111,11 @@ class GroupNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None, bias=None):
         return F.group_norm(x, module.num_groups, weight, bias, module.eps)
 
-    def grad_input(self, module, x, params, g):
+    def grad_input(self, site, params):
         """PyTorch's own GroupNorm backward from one normalisation, whose x̂ the norms then reuse (fp32)."""
+        module, x, g = site.module, site.x, site.g
         if not _same_dtype(x, g, params) or x.dim() < 2 or x.shape[0] == 0:
-            return super().grad_input(module, x, params, g)
+            return super().grad_input(site, params)
         x, g = x.contiguous(), g.contiguous()
         N, C = x.shape[0], x.shape[1]
         HxW = x.numel() // (N * C)
@@ -115,14 +123,15 @@ class GroupNormRule(_AffineNormRule):
         xh, mean, rstd = torch.native_group_norm(x, None, None, N, C, HxW, G, module.eps)
         w = params[0] if params else None
         gx = torch.ops.aten.native_group_norm_backward(g, x, mean, rstd, w, N, C, HxW, G, [True, False, False])[0]
-        self._xhat = (x, xh) if x.dtype == torch.float32 else None
+        self._keep_xhat(site, x, xh)
         return gx
 
     def _groups(self, module, x) -> int:
         return module.num_groups
 
-    def _per_example(self, module, x, g):
-        xh = self._take_xhat(x)
+    def _per_example(self, site):
+        module, x, g = site.module, site.x, site.g
+        xh = self._take_xhat(site)
         if xh is None:
             xh = F.group_norm(x.float(), module.num_groups, None, None, module.eps)
         gf = g.float().flatten(2) if g.dim() > 2 else g.float().unsqueeze(2)
@@ -155,8 +164,9 @@ class InstanceNormRule(GroupNormRule):
     def _groups(self, module, x) -> int:
         return x.shape[1]
 
-    def _per_example(self, module, x, g):
-        xh = self._take_xhat(x)
+    def _per_example(self, site):
+        module, x, g = site.module, site.x, site.g
+        xh = self._take_xhat(site)
         if xh is None:
             xh = F.instance_norm(x.float(), eps=module.eps)
         gf = g.float().flatten(2)
@@ -176,7 +186,8 @@ class RMSNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None):
         return F.rms_norm(x, module.normalized_shape, weight, self._eps(module, x))
 
-    def _per_example(self, module, x, g):
+    def _per_example(self, site):
+        module, x, g = site.module, site.x, site.g
         n = math.prod(module.normalized_shape)
         B = x.shape[0]
         T = x.numel() // max(B * n, 1)

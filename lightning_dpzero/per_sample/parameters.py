@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .base import LayerHook, LayerRule, UnsupportedLayerError
+from .base import LayerHook, LayerRule, Site, UnsupportedLayerError
 from .maths import per_example_sq, weighted_sum
 
 
@@ -51,7 +51,7 @@ def broadcast_candidates(module: nn.Module) -> list[str]:
 class BroadcastParameterRule(LayerRule):
     """Per-example norms and clipped sums for a module's direct parameters ``P`` of shape ``(1, *S)``.
 
-    ``x`` is an empty ``(B, 0)`` tensor (only its batch size is read); ``g`` is a tuple with, per parameter,
+    ``site.x`` is an empty ``(B, 0)`` tensor (only its batch size is read); ``site.g`` is a tuple with, per parameter,
     the gradient of its per-example view, ``(B, *S)`` (zeros when this forward did not use it).
     """
 
@@ -61,14 +61,14 @@ class BroadcastParameterRule(LayerRule):
     def params(self, module):
         return list(self._params)  # the Parameters themselves, also while their views are swapped in
 
-    def norm_sq(self, module, x, g, mask):
-        return [per_example_sq(gi) if m else None for gi, m in zip(g, mask)]
+    def norm_sq(self, site, mask):
+        return [per_example_sq(gi) if m else None for gi, m in zip(site.g, mask)]
 
-    def per_example(self, module, x, g, mask):
-        return [gi.float().unsqueeze(1) if m else None for gi, m in zip(g, mask)]
+    def per_example(self, site, mask):
+        return [gi.float().unsqueeze(1) if m else None for gi, m in zip(site.g, mask)]
 
-    def clipped_grads(self, module, x, g, coef, mask):
-        return [weighted_sum(gi, coef).unsqueeze(0) if m else None for gi, m in zip(g, mask)]
+    def clipped_grads(self, site, coef, mask):
+        return [weighted_sum(gi, coef).unsqueeze(0) if m else None for gi, m in zip(site.g, mask)]
 
 
 class BroadcastParameterFunction(torch.autograd.Function):
@@ -84,8 +84,8 @@ class BroadcastParameterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         params = ctx.saved_tensors
-        x = torch.empty(ctx.b, 0, device=params[0].device)
-        return (None, None, *ctx.hook.engine._on_backward(ctx.hook, x, grads, list(params)))
+        site = Site(ctx.hook, torch.empty(ctx.b, 0, device=params[0].device), grads)
+        return (None, None, *ctx.hook.engine._on_backward(site, list(params)))
 
 
 def _batch_size(args, kwargs) -> Optional[int]:
