@@ -1,10 +1,10 @@
 """Per-example gradient norms and clipped gradients (Lee & Kifer 2021; Li et al. 2021; Bu et al. 2023)."""
 
-from .base import LayerRule, UnsupportedLayerError
+from .base import LayerRule, Site, UnsupportedLayerError
 from .clipping import clip_coefficients
 from .diagnostics import PerExampleMismatchError, check_per_example
 from .engine import PerSampleEngine
 from .registry import register_rule
 
-__all__ = ["PerSampleEngine", "LayerRule", "UnsupportedLayerError", "clip_coefficients", "register_rule",
+__all__ = ["PerSampleEngine", "LayerRule", "Site", "UnsupportedLayerError", "clip_coefficients", "register_rule",
            "check_per_example", "PerExampleMismatchError"]

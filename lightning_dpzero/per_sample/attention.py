@@ -9,8 +9,9 @@ and ``out_proj`` is never covered twice.
 
 Each projection is a Linear over rows of one example: ``q = query W_qᵀ + b_q`` (L rows), ``k``, ``v`` (S rows),
 ``out = c W_oᵀ + b_o`` with ``c`` (B, L, E) the attention context. Per-example gradients are therefore the
-Linear ones for the pairs (query, ∂q), (key, ∂k), (value, ∂v), (c, ∂out): norms by the ghost-or-instantiate
-``rows_norm_sq`` (Li et al. 2021), clipped sums by ``weighted_rows_grad`` (no B×E×E tensor); ``bias_k``/
+Linear ones for the pairs (query, ∂q), (key, ∂k), (value, ∂v), (c, ∂out): norms by ``rows_norm_sq`` on the
+ghost or instantiate path ``paths.rows_path`` picks (Li et al. 2021; never kept, so never reuse), clipped
+sums by ``weighted_rows_grad`` (no B×E×E tensor); ``bias_k``/
 ``bias_v`` get the gradient of their appended key/value row. ∂q, ∂k, ∂v come from one recompute of the
 attention core (projections excluded) under autograd in backward; the forward keeps the inputs and, with
 dropout, its mask. The attention weights may be used in the loss: their gradient joins the recompute.
@@ -38,6 +39,7 @@ from torch import nn
 from .base import Inputs, LayerRule, UnsupportedLayerError
 from .maths import param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad, weighted_sum
 from .paths import rows_path
+from .registry import register_rule
 
 _SIG = inspect.signature(nn.MultiheadAttention.forward)
 _NAMES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v",
@@ -53,8 +55,8 @@ def _additive(m, dtype):
     return m.to(dtype)
 
 
+@register_rule(nn.MultiheadAttention)
 class MultiheadAttentionRule(LayerRule):
-    module_types = (nn.MultiheadAttention,)
     param_names = _NAMES
     owned_children = ("out_proj",)
     multi_input = True

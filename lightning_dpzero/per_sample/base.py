@@ -41,15 +41,16 @@ class Site:
         self.hook = hook
         """The attached layer (``hook.module``, ``hook.name``) this call belongs to."""
         self.x = x
-        """The layer's input, batch first (a multi-input rule's record, see the module docstring)."""
+        """The layer's input, batch first (for a multi-input rule, what its ``backward_multi`` records)."""
         self.g = g
-        """The gradient of the loss with respect to the layer's output, batch first (or the rule's record)."""
+        """The gradient of the loss with respect to the layer's output, batch first (for a multi-input rule,
+        what its ``backward_multi`` records)."""
         self.scale = 1.0
         """Set by the engine: ``g`` × ``scale`` is the gradient of each example's own loss."""
         self.completes = False
         """Set by the engine before ``norm_sq``: every group of this site completes here and is returned from
         here (layer-wise), so ``clipped_grads`` follows at once; otherwise it may come at the end of the
-        backward pass (see :func:`.paths.may_keep`)."""
+        backward pass (``paths.may_keep`` decides what may be kept until then)."""
         self.path: Optional[str] = None
         """The path the rule took for the weight gradient (``"ghost"``, ``"instantiate"``, ``"reuse"``) or
         ``None``; the engine publishes it in ``PerSampleEngine.last_paths``."""
@@ -59,6 +60,7 @@ class Site:
 
     @property
     def module(self) -> nn.Module:
+        """The layer (``hook.module``)."""
         return self.hook.module
 
 
@@ -80,8 +82,8 @@ class LayerRule:
     """Names of the parameters the rule covers, in the order passed to the autograd function and of every
     ``mask`` and returned list; an absent one (``bias=False``) is ``None``."""
     multi_input: bool = False
-    """The layer is called with several tensors and options (see the module docstring): the rule implements
-    :meth:`bind` and :meth:`backward_multi`; single-input rules leave it False."""
+    """The layer is called with several tensors and options (attention: ``mha(q, k, v, key_padding_mask=...)``):
+    the rule implements :meth:`bind` and :meth:`backward_multi`; single-input rules leave it False."""
     owned_children: tuple[str, ...] = ()
     """Child modules whose parameters this rule clips itself because the layer reads them without calling
     them (``MultiheadAttention.out_proj``): the engine gives them no rule of their own, and under ZeRO-3 the

@@ -1,4 +1,4 @@
-"""Clipping functions and per-group thresholds (DESIGN §2).
+"""Clipping functions, per-group thresholds and group-wise membership (docs/design.md, *The mechanism*).
 
 A clipping function maps per-example gradient norms ``‖g_i‖`` (shape ``(B,)``, fp32) and a threshold
 ``C`` to coefficients ``c_i`` so that the clipped gradient is ``c_i · g_i`` with ``‖c_i g_i‖ ≤ C``:
@@ -9,6 +9,7 @@ A clipping function maps per-example gradient norms ``‖g_i‖`` (shape ``(B,)`
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 import torch
@@ -57,5 +58,30 @@ def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, ga
 
 
 def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:
-    """Even split ``C_k = C / sqrt(K)`` so that ``C_tot = sqrt(Σ C_k²) = C`` (DESIGN §2)."""
+    """Even split ``C_k = C / sqrt(K)`` so that ``C_tot = sqrt(Σ C_k²) = C`` (docs/design.md, *The mechanism*)."""
     return max_grad_norm / math.sqrt(max(num_groups, 1))
+
+
+def match_groups(named, groups) -> list[list[torch.nn.Parameter]]:
+    """The members of each group of ``clipping="group-wise"``: ``named`` is ``(name, parameter)`` of every
+    trainable parameter, ``groups`` lists of ``fnmatch`` name patterns or parameters; a parameter joins the
+    first group that matches it. Raises ``ValueError`` for no groups, an unclaimed parameter or an empty group."""
+    if not groups:
+        raise ValueError("clipping='group-wise' needs groups: lists of parameter-name patterns (e.g. "
+                         "[['encoder.*'], ['head.*']]) or clipping_groups='param_groups'.")
+    members: list[list[torch.nn.Parameter]] = [[] for _ in groups]
+    unclaimed = []
+    for name, p in named:
+        for k, spec in enumerate(groups):
+            if any((s is p) if isinstance(s, torch.Tensor) else fnmatch.fnmatchcase(name, s) for s in spec):
+                members[k].append(p)
+                break
+        else:
+            unclaimed.append(name)
+    if unclaimed:
+        raise ValueError(f"clipping='group-wise': no group claims the trainable parameters {unclaimed}; add "
+                         "a pattern for them (e.g. a last group ['*']).")
+    empty = [k for k, m in enumerate(members) if not m]
+    if empty:
+        raise ValueError(f"clipping='group-wise': groups {empty} match no trainable parameter.")
+    return members

@@ -3,7 +3,7 @@
 Unfolding (im2col) turns one example's input into T rows (one per output position, T = Π out_spatial) of
 d = C_in·Π kernel values, and its output gradient into T rows of p = C_out values; the weight gradient is
 then ``Σ_t g_t a_tᵀ``, a Linear's, so the Linear rule's choice among ghost norm, instantiation and
-instantiate-and-reuse (Li et al. 2021; Bu et al. 2023; see ``linear``) applies unchanged. Where the
+instantiate-and-reuse (Li et al. 2021; Bu et al. 2023; see ``paths``) applies unchanged. Where the
 per-example gradients were not kept, the clipped sum is PyTorch's own weight-gradient kernel
 (``aten.convolution_backward``, the non-DP backward's) on coefficient-scaled output gradients: no
 second unfold.
@@ -30,6 +30,7 @@ from torch import nn
 from .base import LayerRule, UnsupportedLayerError
 from .linear import LinearRule
 from .maths import param_shape, per_example_sq, rows_norm_sq
+from .registry import register_rule
 
 
 def _conv_backward(module, x, weight, g, padding, groups: int, want_input: bool) -> torch.Tensor:
@@ -90,10 +91,9 @@ def _fold_groups(t: torch.Tensor, G: int) -> torch.Tensor:
     return t.reshape(B, T, G, D // G).transpose(1, 2).reshape(B * G, T, D // G)
 
 
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(LinearRule):
     """Conv1d/2d/3d; shares the Linear rule's norms and kept per-example gradients, only the rows differ."""
-
-    module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     forward_methods = ("forward", "_conv_forward")
 
     def forward(self, module, x, weight, bias=None):

@@ -1,8 +1,10 @@
 """``nn.Embedding`` with repeated tokens and ``padding_idx``.
 
 Example i's weight gradient has one row per *distinct* token it contains: the sum of the output gradients
-at that token's positions. Rows are segment-summed over (example, token) keys, so the cost is
-``O(B·T·p)`` and no ``(B, V, p)`` tensor is ever built.
+at that token's positions. For the norms and the clipped sum rows are segment-summed over (example,
+token) keys, so the cost is ``O(B·T·p)`` and no ``(B, V, p)`` tensor is built; only ``per_example`` (an
+embedding shared by several call sites, e.g. tied to the output head) instantiates the ``(B, V, p)``
+per-example gradients, whose norm needs the sum over the sites.
 """
 
 from __future__ import annotations
@@ -12,16 +14,14 @@ from torch import nn
 import torch.nn.functional as F
 
 from .base import LayerRule, UnsupportedLayerError
+from .registry import register_rule
 
 
+@register_rule(nn.Embedding)
 class EmbeddingRule(LayerRule):
-    module_types = (nn.Embedding,)
     param_names = ("weight",)
-    #: an input with batch dimension 1 in a larger micro-batch (position ids of shape (1, T)) is expanded to
-    #: the batch, so each example gets its own copy and its own gradient; the output broadcasts as before
-    broadcast_batch = True
-    #: indices ``(B, T, ...)``: a ``(T,)`` index tensor is refused (its length could equal B by chance)
-    min_input_dim = 2
+    broadcast_batch = True  # position ids (1, T) in a larger micro-batch: one copy, one gradient per example
+    min_input_dim = 2  # indices (B, T, ...): a (T,) index tensor is refused (its length could equal B by chance)
 
     def check(self, module, name):
         for attr, bad in (("max_norm", None), ("sparse", False), ("scale_grad_by_freq", False)):

@@ -27,7 +27,6 @@ instantiated at each site and summed, so its norm is exact.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 from typing import Iterator, Optional, Sequence, Union
 
@@ -35,9 +34,11 @@ import torch
 from torch import nn
 
 from .base import LayerHook, Site, UnsupportedLayerError, run_call
-from .clipping import clip_coefficients, layer_thresholds, validate_clipping, validate_group_thresholds
+from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
+                       validate_group_thresholds)
+from .coverage import check_batch_mixing, check_coverage, has_rule_or_owner
 from .parameters import ParameterHook, broadcast_candidates
-from .registry import find_rule, has_registered_base, unsupported_reason
+from .registry import find_rule, owned_children
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
 
@@ -65,6 +66,12 @@ class PerSampleEngine:
             backward, naming a parameter whose gradient did not come through the engine (used outside its
             layer's forward, or a forward run in ``eval()`` mode), before that gradient is accumulated.
         ValueError: for a bad setting or a parameter no group claims.
+
+    After each backward pass, ``last_norms`` holds the per-example total gradient norms ``(B,)`` fp32,
+    ``last_paths`` maps each layer name to the path its rule took for the weight gradient (``"ghost"``,
+    ``"instantiate"`` or ``"reuse"``; for a layer called several times, its call whose backward ran last),
+    and ``stats`` accumulates ``examples``, ``clipped`` (total norm above C) and ``norm_sum`` until
+    :meth:`reset_stats`.
     """
 
     def __init__(self, module: nn.Module, max_grad_norm: float = 1.0, clipping: str = "layer-wise",
@@ -87,8 +94,6 @@ class PerSampleEngine:
         self._reset_pass()
         self.reset_stats()
         self.last_norms: Optional[torch.Tensor] = None
-        #: per layer name, the path its rule took for the weight gradient in the last backward (``"ghost"``,
-        #: ``"instantiate"``, ``"reuse"``; a layer called several times: its site whose backward ran last)
         self.last_paths: dict[str, str] = {}
 
     # ---------------------------------------------------------------- attach / validate
@@ -97,12 +102,14 @@ class PerSampleEngine:
         form the clipping groups."""
         if self.hooks:
             return self
-        self._check_batch_mixing()
+        check_batch_mixing(self.module)
         covered: set[int] = set()
-        for name, mod in self.module.named_modules():
-            rule = find_rule(mod)
+        owned: set[int] = set()  # ids of child modules whose parent's rule clips their parameters
+        for name, mod in self.module.named_modules():  # a parent before its children
+            rule = None if id(mod) in owned else find_rule(mod)
             if rule is None:
                 continue
+            owned |= {id(c) for c in owned_children(mod, rule)}
             params = [p for p in rule.params(mod) if p is not None]
             if not any(p.requires_grad for p in params):
                 continue
@@ -114,35 +121,23 @@ class PerSampleEngine:
             mod.forward = hook
             self.hooks.append(hook)
         for name, mod in self.module.named_modules():  # parameters used directly by a forward (parameters.py)
-            if not has_registered_base(mod):  # no rule, and not a (refused) subclass of a layer with one
+            if not has_rule_or_owner(mod, owned):  # no rule, and not a (refused) subclass of a layer with one
                 names = [n for n in broadcast_candidates(mod) if id(mod._parameters[n]) not in covered]
                 if names:
                     hook = ParameterHook(self, mod, name or "<root>", names)
                     covered |= {id(p) for p in hook.params_}
                     mod.forward = hook
                     self.hooks.append(hook)
-        self._check_coverage(covered)
+        try:
+            check_coverage(self.module, covered, owned)
+        except UnsupportedLayerError:
+            self.detach()
+            raise
         self._install_guards()
         self.active = True
         if self.clipping != "group-wise" or self._group_spec is not None:
             self.set_groups(self._group_spec, self._group_norms)
         return self
-
-    def _check_batch_mixing(self) -> None:
-        """Refuse layers whose training forward is not per-example, trainable or not (docs/design.md, I5)."""
-        bad = []
-        for name, mod in self.module.named_modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                bad.append(f"{type(mod).__name__} '{name}': its training forward normalises with statistics of the "
-                           "whole batch, so one example changes every other example's gradient; use GroupNorm or "
-                           "LayerNorm")
-            elif getattr(mod, "track_running_stats", False):
-                bad.append(f"{type(mod).__name__} '{name}': track_running_stats=True keeps running statistics of the "
-                           "private data without noise in the released model; construct it with "
-                           "track_running_stats=False")
-        if bad:
-            raise UnsupportedLayerError("Differential privacy cannot be guaranteed with these layers, even frozen:\n"
-                                        "  - " + "\n  - ".join(bad))
 
     @property
     def zero3_leaf_types(self) -> list[type]:
@@ -153,28 +148,6 @@ class PerSampleEngine:
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]  # tied: first name
-
-    def _check_coverage(self, covered: set[int]) -> None:
-        missing = []
-        for mname, mod in self.module.named_modules():
-            for pname, p in mod.named_parameters(recurse=False):
-                if p.requires_grad and id(p) not in covered:
-                    full = f"{mname}.{pname}" if mname else pname
-                    reason = unsupported_reason(mod)
-                    if not has_registered_base(mod):
-                        reason = (f"a parameter of shape {tuple(p.shape)} used directly by {type(mod).__name__}'s "
-                                  "forward; such a parameter is supported only when its first dimension is 1 and "
-                                  "the forward broadcasts it over the batch (a class token (1, 1, d), a position "
-                                  "embedding (1, T, d)). Otherwise put it in a supported layer. " + reason)
-                    missing.append(f"'{full}' of {type(mod).__name__} '{mname or '<root>'}': {reason}")
-        if missing:
-            self.detach()
-            raise UnsupportedLayerError(
-                "Differential privacy needs a clipped per-example gradient for every trainable parameter, "
-                "but these are not covered:\n  - " + "\n  - ".join(dict.fromkeys(missing))
-                + "\nFix: replace the layer with a supported one (e.g. BatchNorm -> GroupNorm/LayerNorm), or "
-                "freeze the parameter with requires_grad=False."
-            )
 
     def set_groups(self, groups: Optional[Sequence[GroupSpec]] = None,
                    group_max_grad_norms: Optional[Sequence[float]] = None) -> None:
@@ -193,7 +166,7 @@ class PerSampleEngine:
                 by_hook.setdefault(owner[id(p)], []).append(p)
             members = list(by_hook.values())
         else:
-            members = self._match_groups(named, groups)
+            members = match_groups(named, groups)
         if group_max_grad_norms is not None:
             if len(group_max_grad_norms) != len(members) or not all(c > 0 for c in group_max_grad_norms):
                 raise ValueError(f"group_max_grad_norms needs {len(members)} positive thresholds, one per group, "
@@ -211,27 +184,6 @@ class PerSampleEngine:
             h.returnable = {k for k in h.groups if {id(p) for p in members[k]} <= set(h.param_ids)}
         # A group is returned through autograd when every site touching it holds all of its parameters.
         self.needs_deferred_writes = any(len(h.returnable) < len(h.groups) for h in self.hooks)
-
-    def _match_groups(self, named, groups) -> list[list[nn.Parameter]]:
-        if not groups:
-            raise ValueError("clipping='group-wise' needs groups: lists of parameter-name patterns (e.g. "
-                             "[['encoder.*'], ['head.*']]) or clipping_groups='param_groups'.")
-        members: list[list[nn.Parameter]] = [[] for _ in groups]
-        unclaimed = []
-        for name, p in named:
-            for k, spec in enumerate(groups):
-                if any((s is p) if isinstance(s, torch.Tensor) else fnmatch.fnmatchcase(name, s) for s in spec):
-                    members[k].append(p)
-                    break
-            else:
-                unclaimed.append(name)
-        if unclaimed:
-            raise ValueError(f"clipping='group-wise': no group claims the trainable parameters {unclaimed}; add "
-                             "a pattern for them (e.g. a last group ['*']).")
-        empty = [k for k, m in enumerate(members) if not m]
-        if empty:
-            raise ValueError(f"clipping='group-wise': groups {empty} match no trainable parameter.")
-        return members
 
     def detach(self) -> None:
         for h in self.hooks:

@@ -3,9 +3,9 @@
 The weight is stored transposed relative to ``nn.Linear``: ``W`` is ``(d_in, d_out)`` (``nx``, ``nf``). For an
 example with T rows ``a_t ∈ R^{d_in}`` and output gradients ``g_t ∈ R^{d_out}`` the weight gradient is
 ``Σ_t a_t g_tᵀ`` — the Linear gradient transposed, with the same Frobenius norm — so the Linear rule's
-choice of ghost norm, instantiation or instantiate-and-reuse (Li et al. 2021; see ``linear``) applies as is;
-only the instantiated and clipped gradients are transposed. The class is matched by name and module path (see ``registry``): ``transformers`` is never
-imported by this package.
+choice of ghost norm, instantiation or instantiate-and-reuse (Li et al. 2021; see ``paths``) applies as is;
+only the instantiated and clipped gradients are transposed. The class is matched by name and module path
+(see ``registry``): ``transformers`` is never imported by this package.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import torch
 from .base import UnsupportedLayerError
 from .linear import LinearRule
 from .maths import batch_rows, param_shape
+from .registry import register_rule
 
 
+@register_rule("transformers.Conv1D")  # by name: a class Conv1D anywhere under transformers
 class HFConv1DRule(LinearRule):
-    module_types = ()  # registered by name: ("transformers", "Conv1D")
+    """HuggingFace's ``Conv1D``: the Linear rule with the weight transposed."""
 
     def check(self, module, name):
         w = getattr(module, "weight", None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,12 +18,12 @@ from .base import LayerRule
 from .maths import (batch_rows, param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad,
                     weighted_sum)
 from .paths import weight_path
+from .registry import register_rule
 
 
+@register_rule(nn.Linear)
 class LinearRule(LayerRule):
     """``nn.Linear``; also the base of the HF Conv1D and Conv rules (same rows, other layouts)."""
-
-    module_types = (nn.Linear,)
 
     def forward(self, module, x, weight, bias=None):
         return F.linear(x, weight, bias)

@@ -26,6 +26,7 @@ from torch import nn
 from .base import LayerRule, UnsupportedLayerError
 from .maths import param_shape
 from .paths import may_keep
+from .registry import register_rule
 
 
 class _AffineNormRule(LayerRule):
@@ -36,11 +37,21 @@ class _AffineNormRule(LayerRule):
         """(weight, bias) per-example gradients, each ``(B, p)`` fp32."""
         raise NotImplementedError
 
-    @staticmethod
-    def _keep_xhat(site, x, xh) -> None:
-        """Keep x̂ that ``grad_input`` computed from ``x`` (fp32 inputs only) for the norms of this site."""
+    def _native(self, site, params) -> Optional[tuple]:
+        """``(input gradient, the input it was computed from, x̂)`` from PyTorch's own backward kernel after
+        one normalisation, or ``None`` where the layer has no such kernel or the call does not suit it."""
+        return None
+
+    def grad_input(self, site, params):
+        """PyTorch's own backward from one normalisation, whose x̂ the norms then reuse (fp32 inputs), where
+        input, gradient and parameters share a dtype; otherwise the forward recomputed under autograd."""
+        native = self._native(site, params) if _same_dtype(site.x, site.g, params) else None
+        if native is None:
+            return super().grad_input(site, params)
+        gx, x, xh = native
         if x.dtype == torch.float32:
             site.kept["xhat"] = (x, xh)
+        return gx
 
     @staticmethod
     def _take_xhat(site) -> Optional[torch.Tensor]:
@@ -75,23 +86,20 @@ def _same_dtype(x, g, params) -> bool:
     return x.dtype == g.dtype and all(p is None or p.dtype == x.dtype for p in params)
 
 
+@register_rule(nn.LayerNorm)
 class LayerNormRule(_AffineNormRule):
-    module_types = (nn.LayerNorm,)
+    """``nn.LayerNorm`` (elementwise affine weight and bias over ``normalized_shape``)."""
 
     def forward(self, module, x, weight=None, bias=None):
         return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
 
-    def grad_input(self, site, params):
-        """PyTorch's own LayerNorm backward from one normalisation, whose x̂ the norms then reuse (fp32)."""
+    def _native(self, site, params):
         module, x, g = site.module, site.x, site.g
-        if not _same_dtype(x, g, params):
-            return super().grad_input(site, params)
         shape = list(module.normalized_shape)
         xh, mean, rstd = torch.native_layer_norm(x, shape, None, None, module.eps)
         w, b = (list(params) + [None, None])[:2]
         gx = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, [True, False, False])[0]
-        self._keep_xhat(site, x, xh)
-        return gx
+        return gx, x, xh
 
     def _per_example(self, site):
         module, x, g = site.module, site.x, site.g
@@ -105,17 +113,20 @@ class LayerNormRule(_AffineNormRule):
         return (xh.reshape(B, T, n) * gf).sum(1), gf.sum(1)
 
 
+@register_rule(nn.GroupNorm)
 class GroupNormRule(_AffineNormRule):
-    module_types = (nn.GroupNorm,)
+    """``nn.GroupNorm`` (per-channel affine weight and bias)."""
 
     def forward(self, module, x, weight=None, bias=None):
         return F.group_norm(x, module.num_groups, weight, bias, module.eps)
 
-    def grad_input(self, site, params):
-        """PyTorch's own GroupNorm backward from one normalisation, whose x̂ the norms then reuse (fp32)."""
+    def _groups(self, module, x) -> int:
+        return module.num_groups
+
+    def _native(self, site, params):
         module, x, g = site.module, site.x, site.g
-        if not _same_dtype(x, g, params) or x.dim() < 2 or x.shape[0] == 0:
-            return super().grad_input(site, params)
+        if x.dim() < 2 or x.shape[0] == 0:
+            return None
         x, g = x.contiguous(), g.contiguous()
         N, C = x.shape[0], x.shape[1]
         HxW = x.numel() // (N * C)
@@ -123,11 +134,7 @@ class GroupNormRule(_AffineNormRule):
         xh, mean, rstd = torch.native_group_norm(x, None, None, N, C, HxW, G, module.eps)
         w = params[0] if params else None
         gx = torch.ops.aten.native_group_norm_backward(g, x, mean, rstd, w, N, C, HxW, G, [True, False, False])[0]
-        self._keep_xhat(site, x, xh)
-        return gx
-
-    def _groups(self, module, x) -> int:
-        return module.num_groups
+        return gx, x, xh
 
     def _per_example(self, site):
         module, x, g = site.module, site.x, site.g
@@ -138,10 +145,10 @@ class GroupNormRule(_AffineNormRule):
         return (xh.reshape(gf.shape) * gf).sum(2), gf.sum(2)
 
 
+@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 class InstanceNormRule(GroupNormRule):
     """InstanceNorm1d/2d/3d with ``affine=True``: GroupNorm with one channel per group, per-example stats."""
 
-    module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
     forward_methods = ("forward", "_apply_instance_norm")
 
     def check(self, module, name):
@@ -173,10 +180,10 @@ class InstanceNormRule(GroupNormRule):
         return (xh.flatten(2) * gf).sum(2), gf.sum(2)
 
 
+@register_rule(nn.RMSNorm)
 class RMSNormRule(_AffineNormRule):
     """``nn.RMSNorm`` (weight only): per-example gradient ``Σ_positions x̂ ⊙ g``, x̂ = x / rms(x)."""
 
-    module_types = (nn.RMSNorm,)
     param_names = ("weight",)
 
     @staticmethod

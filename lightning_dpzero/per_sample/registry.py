@@ -1,4 +1,6 @@
-"""Which rule handles which module. One layer family per file; registered here.
+"""Which rule handles which module: the matching. Each rule registers itself where it is defined, with the
+:func:`register_rule` class decorator (as Opacus registers its grad samplers); the rule modules are imported
+at the end of this file so that they do.
 
 A module is matched, in order, by its exact type, by its class name and module path (layers of optional
 libraries, e.g. HuggingFace's ``Conv1D``, so that ``transformers`` is never imported here), then as a
@@ -6,47 +8,89 @@ subclass of a registered type that overrides none of the rule's ``forward_method
 ``NonDynamicallyQuantizableLinear`` or a user's ``class MyLinear(nn.Linear): pass``). A subclass that
 overrides ``forward`` is refused: the rule could not know what it computes.
 
-A rule may own child modules (``owned_children``, e.g. ``MultiheadAttention.out_proj``, whose parameters
-the attention rule clips itself): once the parent has been matched, its children get no rule of their own,
-so no parameter is covered twice. ``named_modules`` lists a parent before its children.
+Matching is pure: which child modules a parent's rule owns (``LayerRule.owned_children``, e.g.
+``MultiheadAttention.out_proj``) is worked out by the engine when it attaches (:func:`owned_children`).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Optional
+from typing import Callable, Optional, TypeVar, Union
 
 from torch import nn
 
-from .attention import MultiheadAttentionRule
 from .base import LayerRule
-from .conv import ConvRule
-from .embedding import EmbeddingRule
-from .hf_conv1d import HFConv1DRule
-from .linear import LinearRule
-from .normalization import GroupNormRule, InstanceNormRule, LayerNormRule, RMSNormRule
 
 RULES: dict[type, LayerRule] = {}
 #: (module-path prefix, class name) -> rule, for classes of libraries that may be absent
 NAMED_RULES: dict[tuple[str, str], LayerRule] = {}
-_OWNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+R = TypeVar("R", bound=type)
 
 
-def register_rule(rule: LayerRule) -> None:
-    """Register ``rule`` for each of its ``module_types`` (and its subclasses, see the module docstring)."""
-    for t in rule.module_types:
-        RULES[t] = rule
+def register_rule(*layers: Union[type, str]) -> Callable[[R], R]:
+    """Class decorator: one instance of the decorated :class:`~lightning_dpzero.per_sample.LayerRule`
+    subclass handles every module of the given layer classes, and their subclasses that override none of
+    the rule's ``forward_methods``. Register before the strategy (or engine) attaches to the model; a later
+    registration for the same class replaces the earlier one.
 
+    Args:
+        *layers: ``nn.Module`` subclasses, or names ``"package.ClassName"`` matching a class called
+            ``ClassName`` defined in ``package`` or any of its submodules, without importing it (HuggingFace's
+            ``"transformers.Conv1D"``).
 
-def register_named_rule(module_prefix: str, class_name: str, rule: LayerRule) -> None:
-    """Register ``rule`` for classes called ``class_name`` defined in a module under ``module_prefix``."""
-    NAMED_RULES[(module_prefix, class_name)] = rule
+    Raises:
+        TypeError: no layer, a layer that is neither an ``nn.Module`` subclass nor such a name, or a decorated
+            class that is not a ``LayerRule`` subclass constructible without arguments.
 
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_dpzero.per_sample import LayerRule, register_rule
+        >>> class Shift(nn.Module):  # y = x + bias
+        ...     def __init__(self, d):
+        ...         super().__init__()
+        ...         self.bias = nn.Parameter(torch.zeros(d))
+        ...     def forward(self, x):
+        ...         return x + self.bias
+        >>> @register_rule(Shift)
+        ... class ShiftRule(LayerRule):
+        ...     param_names = ("bias",)
+        ...     def forward(self, module, x, bias):
+        ...         return x + bias
+        ...     def grad_input(self, site, params):
+        ...         return site.g
+        ...     def per_example(self, site, mask):  # (B, d): g summed over the positions of each example
+        ...         return [site.g.float().reshape(site.g.shape[0], -1, site.g.shape[-1]).sum(1)]
+        ...     def norm_sq(self, site, mask):
+        ...         return [self.per_example(site, mask)[0].pow(2).sum(1)]
+        ...     def clipped_grads(self, site, coef, mask):
+        ...         return [(coef.view(-1, 1) * self.per_example(site, mask)[0]).sum(0).to(site.g.dtype)]
+        >>> ShiftRule.module_types == (Shift,)
+        True
+    """
+    if not layers:
+        raise TypeError("register_rule needs the layer classes (or 'package.ClassName' names) the rule handles.")
+    for layer in layers:
+        if not (isinstance(layer, type) and issubclass(layer, nn.Module)
+                or isinstance(layer, str) and "." in layer.strip(".")):
+            raise TypeError(f"register_rule: {layer!r} is neither an nn.Module subclass nor a 'package.ClassName' "
+                            "name.")
 
-for _rule in (LinearRule(), ConvRule(), EmbeddingRule(), LayerNormRule(), GroupNormRule(), InstanceNormRule(),
-              RMSNormRule(), MultiheadAttentionRule()):
-    register_rule(_rule)
-register_named_rule("transformers", "Conv1D", HFConv1DRule())
+    def decorate(cls: R) -> R:
+        if not (isinstance(cls, type) and issubclass(cls, LayerRule)):
+            raise TypeError(f"@register_rule decorates a LayerRule subclass, not {cls!r}.")
+        rule = cls()
+        cls.module_types = tuple(layers)
+        for layer in layers:
+            if isinstance(layer, str):
+                prefix, _, name = layer.rpartition(".")
+                NAMED_RULES[(prefix, name)] = rule
+            else:
+                RULES[layer] = rule
+        return cls
+
+    return decorate
+
 
 _HINTS = {
     "BatchNorm": "BatchNorm mixes examples in a batch, so no per-example gradient exists; use GroupNorm or LayerNorm",
@@ -71,36 +115,39 @@ def _overridden(cls: type, base: type) -> list[str]:
 
 
 def find_rule(module: nn.Module) -> Optional[LayerRule]:
-    """The rule for ``module``, or ``None`` (no rule, a refused subclass, or a child its parent's rule owns)."""
-    if module in _OWNED:
-        return None
+    """The rule for ``module``, or ``None`` (no rule, or a subclass that overrides the layer's forward)."""
     cls = type(module)
     rule = RULES.get(cls) or _named(cls)
     if rule is None:
         base = _registered_base(cls)
         if base is not None and not _overridden(cls, base):
             rule = RULES[base]
-    if rule is not None:
-        for child in getattr(rule, "owned_children", ()):
-            if isinstance(getattr(module, child, None), nn.Module):
-                _OWNED.add(getattr(module, child))
     return rule
 
 
+def owned_children(module: nn.Module, rule: LayerRule) -> list[nn.Module]:
+    """The child modules of ``module`` whose parameters ``rule`` clips itself (``rule.owned_children``)."""
+    return [c for c in (getattr(module, n, None) for n in rule.owned_children) if isinstance(c, nn.Module)]
+
+
 def has_registered_base(module: nn.Module) -> bool:
-    """Whether ``module`` is (a subclass of) a layer with a rule, or a child a parent's rule owns: its direct
-    parameters are then never treated as parameters used directly by a forward (``parameters.py``)."""
+    """Whether ``module`` is (a subclass of) a layer with a rule: its direct parameters are then never treated
+    as parameters used directly by a forward (``parameters.py``)."""
     cls = type(module)
-    return module in _OWNED or cls in RULES or _named(cls) is not None or _registered_base(cls) is not None
+    return cls in RULES or _named(cls) is not None or _registered_base(cls) is not None
 
 
-def unsupported_reason(module: nn.Module) -> str:
+def unsupported_reason(module: nn.Module, owned: bool = False) -> str:
+    """Why ``module``'s parameters get no rule (``owned``: a parent's rule owns the module), for the refusal."""
     cls = type(module)
     name = cls.__name__
     for key, hint in _HINTS.items():
         if name.startswith(key):
             return hint
-    rule = None if module in _OWNED else find_rule(module)
+    if owned:
+        return (f"the rule of the layer that owns this {name} clips its parameters, but was not applied to that "
+                "layer (see the layer's own entry)")
+    rule = find_rule(module)
     if rule is not None:
         known = {id(p) for p in rule.params(module) if p is not None}
         extra = [n for n, p in module.named_parameters(recurse=False) if id(p) not in known]
@@ -115,3 +162,7 @@ def unsupported_reason(module: nn.Module) -> str:
                 "parameter-free module around it")
     supported = ", ".join(sorted({t.__name__ for t in RULES} | {n for _, n in NAMED_RULES}))
     return f"no per-example rule for {name} (supported: {supported})"
+
+
+# The rule modules register their rules with ``@register_rule`` when imported.
+from . import attention, conv, embedding, hf_conv1d, linear, normalization  # noqa: E402,F401
