@@ -44,13 +44,13 @@ def instrument() -> None:
         setattr(owner, name, wrapped)
 
     seen = set()
-    for rule in registry.RULES.values():
+    for rule in (*registry.RULES.values(), *registry.NAMED_RULES.values()):
         for cls in type(rule).__mro__:  # each method labelled by the class that defines it
             if cls in seen or cls is object:
                 continue
             seen.add(cls)
             for meth in ("grad_input", "norm_sq", "clipped_grads", "per_example", "_rows", "_per_example",
-                         "_segments", "forward"):
+                         "_segments", "_native", "forward"):
                 wrap(cls, meth, f"dpzero.{cls.__name__}.{meth}")
     for meth in ("_on_backward", "_complete", "_clipped", "finalize", "_forward"):
         wrap(engine_mod.PerSampleEngine, meth, f"dpzero.engine.{meth}")

@@ -1,5 +1,5 @@
 """Parameters used directly by a forward (class token, position embedding) and the run-time guard against
-gradients that bypass per-example clipping (DESIGN I2, I5)."""
+gradients that bypass per-example clipping (docs/design.md, I2 and I5)."""
 
 import pytest
 import torch

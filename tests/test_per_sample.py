@@ -1,4 +1,4 @@
-"""DESIGN I2 without DeepSpeed: the engine's Σ_i clip(g_i) equals the torch.func oracle."""
+"""docs/design.md, I2, without DeepSpeed: the engine's Σ_i clip(g_i) equals the torch.func oracle."""
 
 import math
 

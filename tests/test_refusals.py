@@ -1,4 +1,4 @@
-"""Bad input is refused before the first step, naming the setting or module and the fix (DESIGN I5)."""
+"""Bad input is refused before the first step, naming the setting or module and the fix (docs/design.md, I5)."""
 
 import math
 
