@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import symtable
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -101,8 +102,11 @@ def test_pages_of_the_nav_are_built(site):
 
 def html_pages(site: Path) -> dict[str, str]:
     """Every built page, by its address relative to the site root ("" is the home page, "api/strategy/")."""
-    return {p.parent.relative_to(site).as_posix().replace(".", "") + ("/" if p.parent != site else ""):
-            p.read_text(encoding="utf-8") for p in sorted(site.rglob("index.html"))}
+    pages = {}
+    for path in sorted(site.rglob("index.html")):
+        rel = path.parent.relative_to(site).as_posix()
+        pages["" if rel == "." else rel + "/"] = path.read_text(encoding="utf-8")
+    return pages
 
 
 def visible_text(raw: str, prose_only: bool = False) -> str:
@@ -147,6 +151,19 @@ def internal_notes(site: Path) -> list[tuple[str, str, str, str]]:
             for m in pattern.finditer(text):
                 found.setdefault((page, kind, m.group(0)), text[max(0, m.start() - 70):m.end() + 30])
     return [(*key, context) for key, context in found.items()]
+
+
+def test_internal_note_patterns_tell_notes_from_prose():
+    def kinds(prose: str) -> set[str]:
+        return {kind for kind, pattern, _ in INTERNAL_NOTES if pattern.search(prose)}
+
+    assert kinds("Where we stand against issue #7") == {"issue number", "#N reference"}
+    assert kinds("the engine at commit 1b0ee87, before (4f5bd91)") == {"commit hash"}
+    assert kinds("refused before training (DESIGN I5); see DESIGN §2.1") == {"design document outside the site"}
+    assert kinds("prepared, not yet run: this task had no GPU") == {"this task"}
+    assert kinds("shared with other developers' jobs") == {"other developers"}
+    # numbers, words of hex letters, and the design page's own invariant names are prose
+    assert not kinds("Ψ = 3323648 parameters; a defaced cafe; invariant I5; #SBATCH --nodes=2; step 12")
 
 
 def test_pages_carry_no_internal_notes(site):
@@ -315,15 +332,30 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+def _run_script(name: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python name`` in ``cwd``. Rarely a 2-process gloo run dies at exit or loses its peer when other
+    multi-process jobs load the machine (tests/test_digits_example.py sees the same): one more try, with the
+    first failure kept visible as a warning."""
+    def run():
+        return subprocess.run([sys.executable, name], cwd=cwd, env=_clean_env(), capture_output=True, text=True,
+                              timeout=300)
+
+    proc = run()
+    if proc.returncode != 0:
+        first = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        proc = run()
+        if proc.returncode == 0:
+            warnings.warn(f"{name} failed once, then passed:\n{first}")
+    return proc
+
+
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The home page's script run as a user would: saved to a file in an empty directory, ``python
     quickstart.py``. The directory then holds the checkpoint that other pages' blocks read."""
     workdir = tmp_path_factory.mktemp("quickstart")
     shutil.copy(QUICKSTART, workdir / "quickstart.py")
-    proc = subprocess.run([sys.executable, "quickstart.py"], cwd=workdir, env=_clean_env(), capture_output=True,
-                          text=True, timeout=300)
-    return workdir, proc
+    return workdir, _run_script("quickstart.py", workdir)
 
 
 @pytest.mark.slow
@@ -366,8 +398,7 @@ def test_complete_python_blocks_run(site, quickstart_run):
     for n, (code, (page, first)) in enumerate(blocks.items()):
         path = workdir / f"block_{n}.py"
         path.write_text(code, encoding="utf-8")
-        run = subprocess.run([sys.executable, path.name], cwd=workdir, env=_clean_env(), capture_output=True,
-                             text=True, timeout=300)
+        run = _run_script(path.name, workdir)
         if run.returncode != 0:
             failures.append(f"{page or 'home'}: block starting {first!r} exits {run.returncode}:\n"
                             f"{run.stderr[-3000:]}")
