@@ -136,7 +136,6 @@ INTERNAL_NOTES = [
 #: only shrinks; delete an entry once its docstring is fixed.
 NOTES_FROM_DOCSTRINGS = {
     ("api/strategy/", "DESIGN §2"),       # lightning_dpzero/strategy.py, DPDeepSpeedStrategy
-    ("api/per-sample/", "DESIGN I5"),     # lightning_dpzero/per_sample/base.py, UnsupportedLayerError
 }
 
 
