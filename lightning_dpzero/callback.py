@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
+from .checkpoints.format import CALLBACK_STATE_KEY
 
 __all__ = ["PrivacyAccountantCallback", "PrivacyBudgetExceeded"]
 
@@ -75,7 +76,7 @@ class PrivacyAccountantCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return "PrivacyAccountantCallback"
+        return CALLBACK_STATE_KEY
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         from .strategy import DPDeepSpeedStrategy

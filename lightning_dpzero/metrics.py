@@ -25,10 +25,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torchmetrics import Metric
 
+from .checkpoints.format import LEDGER_FILE
+
 Number = Union[int, float, torch.Tensor]
 
 LEDGER_ARTIFACT_TYPE = "privacy-ledger"
-LEDGER_FILE_NAME = "privacy_ledger.json"
 
 
 def _scalar(value: Number, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -247,7 +248,7 @@ class PrivacyRunLogger(Callback):
                 continue
             log_dir = getattr(logger, "log_dir", None)
             if log_dir:
-                path = Path(log_dir) / LEDGER_FILE_NAME
+                path = Path(log_dir) / LEDGER_FILE
                 path.parent.mkdir(parents=True, exist_ok=True)
                 ledger.save(path)
                 self.ledger_paths.append(path)
@@ -257,13 +258,13 @@ class PrivacyRunLogger(Callback):
 
         run = logger.experiment
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / LEDGER_FILE_NAME
+            path = Path(tmp) / LEDGER_FILE
             ledger.save(path)
             artifact = wandb.Artifact(self.artifact_name or f"privacy-ledger-{run.id}", type=LEDGER_ARTIFACT_TYPE,
                                       description="DP-SGD privacy ledger (lightning-dpzero): runs of (q, sigma, "
                                                   "steps) with a hash chain; epsilon is recomputed from it.",
                                       metadata=meta)
-            artifact.add_file(str(path), name=LEDGER_FILE_NAME)
+            artifact.add_file(str(path), name=LEDGER_FILE)
             run.log_artifact(artifact)  # add_file copied the file into the artifact's staging area
         run.summary["final_epsilon"] = meta["epsilon"]
         run.summary["final_dp_steps"] = meta["steps"]

@@ -9,9 +9,10 @@ Where each piece runs:
 * ``backward``: a probe on the loss reads every factor DeepSpeed and Lightning put on it (1/K, 1/gas, loss
   scale), so the engine recovers each example's own gradient before clipping;
 * ``optimizer_step``: the ledger is charged at each accumulation boundary, before the update;
-* ``save_checkpoint`` / ``load_checkpoint``: the ledger travels in ``client_state`` and as
-  ``privacy_ledger.json`` beside the ZeRO shards; rank 0 writes ``privacy_commit.json`` (ledger head, step,
-  SHA-256 of every file) last, so a half-written checkpoint is detected and refused (docs/reliability.md).
+* ``save_checkpoint`` / ``load_checkpoint``: :class:`~lightning_dpzero.checkpoints.CheckpointProtocol`; the ledger
+  travels in ``client_state`` and as ``privacy_ledger.json`` beside the ZeRO shards; rank 0 writes
+  ``privacy_commit.json`` (ledger head, step, SHA-256 of every file) last, so a half-written checkpoint is
+  detected and refused (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import os
 import re
 import secrets
-import time
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -35,12 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ._launch import DeepSpeedLaunchMixin
 from .accounting import PrivacyLedger
-from .checkpoint import (  # noqa: F401  (some re-exported: the strategy's public checkpoint names)
-    COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY,
-    CheckpointIntegrityError, IncompleteCheckpointError, UnsafeCheckpointError, atomic_write_text,
-    check_commit_matches, checkpoint_files, file_digest, file_problems, fsync_dir, gather_dicts, gather_lists,
-    gather_objects, raise_file_problems, read_commit, safe_globals, unsafe_pickle_reason, verify_checkpoint,
-    write_commit)
+from .checkpoints import CheckpointProtocol
 from .noise import NoiseSource, make_noise_pre_hook
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_group_thresholds
@@ -127,7 +120,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         self.accountant_callback = None
         self._restored_ledger: Optional[PrivacyLedger] = None
         self._noise_applied = False
-        self._coalesce = None
+        self.checkpoint_protocol = CheckpointProtocol(self)
 
     @property
     def zero_stage(self) -> int:
@@ -358,71 +351,18 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     trust_checkpoint_pickles: bool = False
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """DeepSpeed's checkpoint, the ledger twice, then the commit marker, in this order on disk:
-
-        1. rank 0 marks the directory incomplete and removes any old ``privacy_commit.json`` (so an old marker can
-           never vouch for shards overwritten in place), barrier;
-        2. every rank writes its ZeRO shards (the ledger rides in ``client_state``);
-        3. rank 0 writes ``privacy_ledger.json`` atomically, barrier;
-        4. the ranks hash every file of the directory (split between them), rank 0 writes ``privacy_commit.json``
-           atomically (ledger run id, head hash and steps, ``global_step``, sizes and SHA-256 of the files) and
-           removes the incomplete mark, barrier.
-
-        A process killed anywhere before 4 leaves a directory without a valid marker, which
-        :meth:`load_checkpoint` refuses.
-        """
-        filepath = self.broadcast(filepath)
-        directory = Path(filepath)
-        if self.is_global_zero:
-            directory.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(directory / INCOMPLETE_FILE, "checkpoint being written; not usable\n")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(directory / COMMIT_FILE)
-            fsync_dir(directory)
-        self.barrier("dp_checkpoint_begin")
-        if self.ledger is not None:
-            checkpoint[LEDGER_KEY] = self.ledger.to_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.ledger is not None and self.is_global_zero:
-            self.ledger.save(directory / LEDGER_FILE)
-        self.barrier("dp_ledger_saved")
-        files = self._hash_checkpoint_files(directory)
-        if self.is_global_zero:
-            ledger = self.ledger
-            commit = {
-                "format": COMMIT_FORMAT, "format_version": COMMIT_FORMAT_VERSION,
-                "global_step": int(checkpoint.get("global_step", -1)),
-                "run_id": ledger.run_id if ledger is not None else None,
-                "ledger_head": ledger.head if ledger is not None else None,
-                "ledger_steps": ledger.steps if ledger is not None else None,
-                "world_size": self.world_size, "zero_stage": self.zero_stage,
-                "created_unix": time.time(), "files": files,
-            }
-            write_commit(directory, commit)
-        self.barrier("dp_checkpoint_committed")
-
-    def _hash_checkpoint_files(self, directory: Path) -> dict[str, dict[str, Any]]:
-        """``{relative path: {"size", "sha256"}}`` of every file under ``directory`` (all ranks hash a share)."""
-        names = self.broadcast(checkpoint_files(directory) if self.is_global_zero else None)
-        mine = {n: file_digest(directory / n) for n in names[self.global_rank::self.world_size]}
-        return gather_dicts(mine, self.world_size)
+        """DeepSpeed's checkpoint, the ledger twice, then the commit marker: :meth:`CheckpointProtocol.save`."""
+        self.checkpoint_protocol.save(
+            checkpoint, filepath, self.ledger, zero_stage=self.zero_stage,
+            write_shards=lambda c, path: super(DPDeepSpeedStrategy, self).save_checkpoint(c, path, storage_options))
 
     def remove_checkpoint(self, filepath) -> None:
-        # Invalidate first: a deletion killed half-way leaves a directory that load_checkpoint refuses.
-        if self.is_global_zero and Path(filepath).is_dir():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(Path(filepath) / COMMIT_FILE)
+        self.checkpoint_protocol.invalidate(filepath)
         super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        """Verify the directory, then let DeepSpeed load it; when fitting, restore and cross-check the ledger.
-
-        Before DeepSpeed unpickles anything: the commit marker must exist and every file must match its size and
-        SHA-256 (when fitting; outside fitting a directory without marker loads with a warning unless it was
-        left half-written), and every ``.pt`` file must load with ``torch.load(weights_only=True)`` (DeepSpeed
-        itself unpickles with ``weights_only=False``). When fitting, the ledger in the client state, the
-        ``privacy_ledger.json`` and the marker must all be the same ledger, and cover at least the checkpoint's
-        ``global_step``.
+        """Verify the directory, then let DeepSpeed load it; when fitting, restore and cross-check the ledger
+        (:meth:`CheckpointProtocol.verify` and :meth:`CheckpointProtocol.loaded_ledger`).
 
         Raises:
             IncompleteCheckpointError: no marker (the save was interrupted, or not written by this strategy).
@@ -430,38 +370,13 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             UnsafeCheckpointError: a file holds objects that unpickling could execute.
             ValueError: no ledger at all when resuming training.
         """
-        trainer = self.lightning_module.trainer
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        path = Path(checkpoint_path)
-        commit = None
-        if path.is_dir():
-            commit = self._verify_checkpoint_dir(path, required=fitting)
-            if not self.trust_checkpoint_pickles:
-                self._scan_pickles(path)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        commit = self.checkpoint_protocol.verify(checkpoint_path, required=fitting,
+                                                 trust_pickles=self.trust_checkpoint_pickles)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if not fitting:
             return checkpoint
-        on_disk = path / LEDGER_FILE
-        from_state = checkpoint.get(LEDGER_KEY)
-        if from_state is None and not on_disk.exists():
-            raise ValueError(f"The checkpoint {checkpoint_path} holds no privacy ledger, so the privacy already "
-                             "spent is unknown. Resume only from checkpoints written by DPDeepSpeedStrategy, or "
-                             "load the weights into a fresh run (new ledger) without ckpt_path.")
-        ledger = PrivacyLedger.from_dict(from_state) if from_state is not None else None
-        if on_disk.exists():
-            disk = PrivacyLedger.load(on_disk)
-            if ledger is not None and disk != ledger:
-                raise CheckpointIntegrityError(
-                    f"{on_disk} and the ledger inside the checkpoint disagree; the checkpoint may have been edited "
-                    "or mixed with another run. Refusing to resume.")
-            ledger = disk
-        global_step = int(checkpoint.get("global_step", 0))
-        if commit is not None:
-            check_commit_matches(path, commit, ledger, global_step)
-        if ledger.steps < global_step:
-            raise CheckpointIntegrityError(
-                f"The checkpoint {checkpoint_path} holds weights after {global_step} optimizer steps but its privacy "
-                f"ledger charges only {ledger.steps}; the ε it would report is too small. Refusing to resume.")
+        ledger = self.checkpoint_protocol.loaded_ledger(checkpoint_path, checkpoint, commit)
         self._restored_ledger = ledger
         self._fresh_streams_after_resume(ledger)
         return checkpoint
@@ -477,36 +392,6 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         self.seed = int.from_bytes(digest[:8], "little") >> 2
         self._noise_handle.remove()
         self._install_noise_hook()
-
-    def _verify_checkpoint_dir(self, directory: Path, required: bool) -> Optional[dict]:
-        """Check the commit marker and the files it lists (the ranks share the hashing). Returns the marker."""
-        commit = read_commit(directory, required)
-        if commit is None:
-            if not required:
-                rank_zero_warn(f"{directory} has no {COMMIT_FILE} (not written by DPDeepSpeedStrategy); loading "
-                               "it unverified.")
-            return None  # when fitting: not written by this strategy; the ledger check names the problem
-        names = sorted(commit["files"])
-        problems = file_problems(directory, commit, names[self.global_rank::self.world_size],
-                                  check_unlisted=self.is_global_zero)
-        raise_file_problems(directory, gather_lists(problems, self.world_size))
-        return commit
-
-    def _scan_pickles(self, directory: Path) -> None:
-        """``torch.load(weights_only=True)`` every ``.pt`` file before DeepSpeed unpickles it fully."""
-        names = self.broadcast(sorted(n for n in checkpoint_files(directory) if n.endswith(".pt"))
-                               if self.is_global_zero else None)
-        problems = []
-        for name in names[self.global_rank::self.world_size]:
-            reason = unsafe_pickle_reason(directory / name)
-            if reason:
-                problems.append(f"{name}: {reason}")
-        problems = gather_lists(problems, self.world_size)
-        if problems:
-            raise UnsafeCheckpointError(
-                f"The checkpoint {directory} holds objects that loading could execute as code "
-                f"({'; '.join(problems[:3])}). Nothing was unpickled. If you wrote this checkpoint yourself and "
-                "trust it, set `strategy.trust_checkpoint_pickles = True` before fitting; otherwise do not load it.")
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
