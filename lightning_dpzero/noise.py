@@ -1,4 +1,4 @@
-"""Gaussian noise on the optimizer's own partition (DESIGN §4 "step", invariant I3).
+"""Gaussian noise on the optimizer's own partition (docs/design.md, *Where each piece runs*: step; I3).
 
 DeepSpeed hands the *base* optimizer this rank's fp32 partition of the reduced gradient. A step pre-hook
 on that optimizer turns it into the released DP gradient, in place::

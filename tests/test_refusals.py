@@ -1,4 +1,4 @@
-"""Bad input is refused before the first step, naming the setting or module and the fix (DESIGN I5)."""
+"""Bad input is refused before the first step, naming the setting or module and the fix (docs/design.md, I5)."""
 
 import math
 
@@ -31,7 +31,8 @@ class Net(L.LightningModule):
 
 
 def _fit(model, strategy, callbacks=(), **trainer_kw):
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+    trainer_kw = {"logger": False, **trainer_kw}
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=list(callbacks), **trainer_kw)
     trainer.fit(model)
@@ -138,13 +139,15 @@ class Temperature(Net):
 def test_released_zero3_parameter_size_error_is_explained():
     # With several processes a parameter used outside its module's forward is an empty ZeRO-3 partition there,
     # and PyTorch's error mentions only sizes; the strategy adds what happened and the fix.
+    from lightning_dpzero._refusals import explain_released_parameters
+
     strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.0)
     with pytest.raises(RuntimeError, match=r"(?s)size of tensor b \(0\).*ZeRO-3.*training_step"):
-        with strategy._explain_released_parameters():
+        with explain_released_parameters(strategy.zero_stage):
             raise RuntimeError("The size of tensor a (10) must match the size of tensor b (0) at non-singleton "
                                "dimension 0")
     with pytest.raises(RuntimeError, match="^boom$"):  # other errors pass through untouched
-        with strategy._explain_released_parameters():
+        with explain_released_parameters(strategy.zero_stage):
             raise RuntimeError("boom")
 
 
@@ -152,3 +155,21 @@ def test_released_zero3_parameter_size_error_is_explained():
 def test_parameter_used_in_training_step_is_refused(stage):
     with pytest.raises(UnsupportedLayerError, match="'log_t' received a gradient that did not pass"):
         _fit(Temperature(), DPDeepSpeedStrategy(stage=stage, noise_multiplier=1.0))
+
+
+BAD_OPTIONS = {
+    "loss_reduction": (lambda: DPDeepSpeedStrategy(loss_reduction="avg"),
+                       r"loss_reduction='avg' is not supported.*'mean', 'sum'"),
+    "clipping_groups": (lambda: DPDeepSpeedStrategy(clipping="group-wise", clipping_groups="groups"),
+                        r"clipping_groups='groups' is not supported.*'param_groups'.*patterns"),
+    "accountant": (lambda: PrivacyAccountantCallback(accountant="gdp"), r"accountant='gdp' is not supported.*'pld'"),
+    "on_budget_exhausted": (lambda: PrivacyAccountantCallback(on_budget_exhausted="warn"),
+                            r"on_budget_exhausted='warn'.*'stop', 'raise'"),
+}
+
+
+@pytest.mark.parametrize("make, match", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_string_options_are_refused_when_constructed(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+

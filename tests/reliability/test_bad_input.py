@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import lightning_dpzero  # noqa: F401
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback, UnsupportedLayerError
 from lightning_dpzero.checkpoints import CheckpointIntegrityError, IncompleteCheckpointError
-from lightning_dpzero.strategy import NonFiniteLossError
+from lightning_dpzero.mechanism import NonFiniteLossError
 
 N = 32
 
