@@ -8,6 +8,7 @@ takes the clipping statistics (``take_stats``) and hands a ledger from its own s
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,7 @@ from ._options import Accountant, OnBudgetExhausted, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
 from .checkpoints.format import CALLBACK_STATE_KEY
 from .mechanism import DPMechanism
+from .metrics import ClipFraction, MeanGradNorm
 from .privacy_plan import DEFAULT_DELTA, AccountingSettings
 
 __all__ = ["PrivacyAccountantCallback", "PrivacyBudgetExceeded"]
@@ -46,7 +48,8 @@ class PrivacyAccountantCallback(Callback):
 
     After every optimizer step it logs ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and
     ``dp_steps`` (plus ``clip_fraction`` and ``mean_grad_norm`` over all ranks' examples of that step) with
-    ``self.log``, so any Lightning logger records them. Every rank computes and logs the same values (no
+    ``self.log``, so any Lightning logger records them; ε, δ, σ, q and the step count as float64, so a logger
+    shows δ = 1e-05, not its float32 neighbour. Every rank computes and logs the same values (no
     ``sync_dist``, so no collective per metric; every rank's ``trainer.callback_metrics`` agree, so a
     ``ModelCheckpoint``/``EarlyStopping`` monitoring ``epsilon`` decides alike everywhere). The logged ε is the
     tracker's upper bound (at most ~2% above the exact value); :meth:`epsilon` gives the exact one. ε is
@@ -80,6 +83,9 @@ class PrivacyAccountantCallback(Callback):
         self.log_second_accountant = bool(log_second_accountant)
         self._tracker = EpsilonTracker()
         self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
+        # the step's clipping statistics over all ranks: the sums come from the one all-reduce in _decide
+        self._clip_fraction = ClipFraction(sync_on_compute=False)
+        self._mean_grad_norm = MeanGradNorm(sync_on_compute=False)
         self._logged_steps = -1
         self._mechanism: Optional[DPMechanism] = None
         self._next_step_allowed = True   # agreed by all ranks at the last accumulation boundary
@@ -214,9 +220,13 @@ class PrivacyAccountantCallback(Callback):
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
         if self.log_second_accountant:
             metrics[f"epsilon_{self.second_accountant}"] = eps[1]
-        if examples:
-            metrics["clip_fraction"] = clipped / examples
-            metrics["mean_grad_norm"] = norm_sum / examples
+        # float64 tensors: Lightning keeps their dtype (a Python float would be stored as float32)
+        metrics = {k: torch.tensor(v, dtype=torch.float64, device=pl_module.device) for k, v in metrics.items()}
+        if examples:  # the sums over every rank's examples of the step
+            metrics["clip_fraction"] = _step_value(self._clip_fraction, clipped, examples)
+            # an fp16 overflow (a step DeepSpeed skips) can make a norm inf or NaN: logged as it is
+            metrics["mean_grad_norm"] = (_step_value(self._mean_grad_norm, norm_sum, examples)
+                                         if math.isfinite(norm_sum) else norm_sum)
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "epsilon",
                           batch_size=1, sync_dist=False, rank_zero_only=False)
@@ -242,3 +252,10 @@ class PrivacyAccountantCallback(Callback):
             return
         self._mechanism.restore_ledger(PrivacyLedger.from_dict(saved))
 
+
+def _step_value(metric, total: float, examples: float) -> float:
+    """``metric`` over one step from sums already reduced over the ranks (its own sync is off)."""
+    metric.update(total, examples=round(examples))
+    value = float(metric.compute())
+    metric.reset()
+    return value

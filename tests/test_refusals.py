@@ -173,3 +173,20 @@ def test_bad_string_options_are_refused_when_constructed(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 
+
+def test_dp_values_are_logged_exactly_in_float64(tmp_path):
+    """Lightning stores a logged Python float as float32, which turned δ = 1e-5 into 9.999999747e-06 in every
+    logger; the callback logs float64 tensors, which it keeps."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = DPDeepSpeedStrategy(stage=2, noise_multiplier=1.1)
+    trainer = _fit(Net(), strategy, callbacks=[PrivacyAccountantCallback(delta=1e-5)],
+                   logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    metrics = trainer.callback_metrics
+    assert metrics["delta"].item() == 1e-5 and metrics["noise_multiplier"].item() == 1.1
+    assert metrics["sample_rate"].item() == strategy.plan.sample_rate == 4 / 32
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("delta")]
+    assert rows and {float(r["delta"]) for r in rows} == {1e-5}
