@@ -131,14 +131,6 @@ INTERNAL_NOTES = [
     ("worktree", re.compile(r"\bworktrees?\b", re.I), True),
 ]
 
-#: Notes rendered from docstrings in lightning_dpzero/, which the package's own refactoring repoints to
-#: docs/design.md: (page, the note's text). The test fails when a listed note is gone, so that this list
-#: only shrinks; delete an entry once its docstring is fixed.
-NOTES_FROM_DOCSTRINGS = {
-    ("api/strategy/", "DESIGN §2"),       # lightning_dpzero/strategy.py, DPDeepSpeedStrategy
-}
-
-
 def internal_notes(site: Path) -> list[tuple[str, str, str, str]]:
     """(page, kind, match, context) for every internal note on the built site, once per page (a heading
     also stands in the navigation and the table of contents)."""
@@ -167,11 +159,8 @@ def test_internal_note_patterns_tell_notes_from_prose():
 
 def test_pages_carry_no_internal_notes(site):
     found = internal_notes(site)
-    unexpected = [f for f in found if (f[0], f[2]) not in NOTES_FROM_DOCSTRINGS]
-    assert not unexpected, "internal notes on the site:\n" + "\n".join(
-        f"  {page or 'home'}: {kind} {match!r} in ...{context}..." for page, kind, match, context in unexpected)
-    gone = NOTES_FROM_DOCSTRINGS - {(f[0], f[2]) for f in found}
-    assert not gone, f"fixed in the docstrings: remove {sorted(gone)} from NOTES_FROM_DOCSTRINGS"
+    assert not found, "internal notes on the site:\n" + "\n".join(
+        f"  {page or 'home'}: {kind} {match!r} in ...{context}..." for page, kind, match, context in found)
 
 
 def raw_markdown(site: Path) -> list[tuple[str, str]]:
