@@ -1,19 +1,44 @@
 """lightning-dpzero: differentially private training for any LightningModule on DeepSpeed ZeRO 0–3.
 
-Importing the package registers the strategies ``dp_deepspeed``, ``dp_deepspeed_stage_{1,2,3}`` and
-``dp_deepspeed_stage_{2,3}_offload`` with Lightning.
+Importing the package registers the strategies ``dp_deepspeed``, ``dp_deepspeed_stage_{0,1,2,3}`` and
+``dp_deepspeed_stage_{2,3}_offload`` with Lightning: at once if Lightning is already imported, else as soon as
+``lightning.pytorch`` is, so ``Trainer(strategy="dp_deepspeed_stage_3")`` finds them either way. The public
+names are imported when first used (PEP 562), so that reading a ledger (``from lightning_dpzero import
+PrivacyLedger``, ``lightning-dpzero ledger ...``) does not import Lightning, DeepSpeed or torch.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from .accounting import PrivacyLedger, calibrate_noise_multiplier
-from .callback import PrivacyAccountantCallback, PrivacyBudgetExceeded
-from .per_sample import PerSampleEngine, UnsupportedLayerError
-from .sampling import DistributedPoissonBatchSampler
-from .strategy import DPDeepSpeedStrategy
+from typing import TYPE_CHECKING
 
-DPDeepSpeedStrategy.register_strategies(StrategyRegistry)
+from ._lazy import lazy_exports
+from ._registration import register_strategies_with_lightning
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "DPDeepSpeedStrategy": "strategy",
+    "PrivacyAccountantCallback": "callback",
+    "PrivacyBudgetExceeded": "accounting",
+    "PrivacyLedger": "accounting",
+    "calibrate_noise_multiplier": "accounting",
+    "PerSampleEngine": "per_sample",
+    "UnsupportedLayerError": "per_sample",
+    "DistributedPoissonBatchSampler": "sampling",
+}
 __all__ = ["DPDeepSpeedStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
            "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier"]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
+    from .accounting import PrivacyBudgetExceeded, PrivacyLedger, calibrate_noise_multiplier
+    from .callback import PrivacyAccountantCallback
+    from .per_sample import PerSampleEngine, UnsupportedLayerError
+    from .sampling import DistributedPoissonBatchSampler
+    from .strategy import DPDeepSpeedStrategy
+
+register_strategies_with_lightning()

@@ -3,10 +3,18 @@
 * ``lightning-dpzero ledger show|verify|plot PATH``: read a privacy ledger, where PATH is a checkpoint
   directory written by :class:`~lightning_dpzero.DPDeepSpeedStrategy` (holding ``privacy_ledger.json``) or
   the JSON file itself. ε is always recomputed from the ledger's entries, never read from a stored number.
+* ``lightning-dpzero plan ...``: σ, q, steps and ε of a run before training it
+  (:mod:`lightning_dpzero.planner`).
+* ``lightning-dpzero wandb-summary RUN_DIR``: the DP series and the ledger of an offline W&B run
+  (:mod:`lightning_dpzero.wandb_offline`).
 * anything else (``fit --config run.yaml``, ``validate``, ``--help``, ``--print_config``): Lightning's
   :class:`~lightning.pytorch.cli.LightningCLI`, with the DP strategies registered, so a YAML may say
   ``strategy: dp_deepspeed_stage_3`` or ``class_path: lightning_dpzero.DPDeepSpeedStrategy`` with
   ``init_args``. The model and the (optional) datamodule are named by ``class_path`` in the config.
+
+Only the Lightning CLI imports Lightning: ``ledger``, ``plan`` and ``wandb-summary`` import what they read
+with (the ledger, dp-accounting; torch only to compare a checkpoint's client state), so they start in a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ import os
 import pickle
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from .accounting import LedgerEntry, LedgerIntegrityError, PrivacyLedger, compute_epsilon
 from .checkpoints.format import LEDGER_FILE
-from .checkpoints.reader import CheckpointReadError, client_state_ledgers, model_states_file, same_ledger
+
+if TYPE_CHECKING:
+    from .accounting import PrivacyLedger
 
 
 class CLIError(Exception):
@@ -37,15 +46,32 @@ def _resolve(path: str) -> tuple[Path, Optional[Path]]:
     if p.is_dir():
         json_path = p / LEDGER_FILE
         if not json_path.is_file():
-            raise CLIError(f"{p} holds no {LEDGER_FILE}: not a checkpoint written by DPDeepSpeedStrategy, "
-                           "or the ledger was removed. The privacy spent by this checkpoint is unknown.")
+            found = ledgers_below(p)
+            if found:
+                listed = "\n  ".join(str(f.parent) for f in found)
+                raise CLIError(f"{p} holds no {LEDGER_FILE} itself; these directories below it do (newest first; "
+                               f"pass one of them):\n  {listed}")
+            raise CLIError(f"{p} holds no {LEDGER_FILE}, nor does any directory below it: not a checkpoint written "
+                           "by DPDeepSpeedStrategy (was checkpointing off? Trainer(enable_checkpointing=False)), or "
+                           "the ledger was removed. The privacy spent by this checkpoint is unknown.")
         return json_path, p
     if p.is_file():
         return p, None
     raise CLIError(f"{p}: no such file or directory.")
 
 
-def _load(json_path: Path) -> PrivacyLedger:
+def ledgers_below(directory: Path, most: int = 8, depth: int = 4) -> list[Path]:
+    """The ``privacy_ledger.json`` files at most ``depth`` levels below ``directory``, newest first (at most
+    ``most``): where a run left its checkpoints and ledger copies."""
+    found = []
+    for level in range(1, depth + 1):
+        found += [f for f in directory.glob("/".join(["*"] * level) + "/" + LEDGER_FILE) if f.is_file()]
+    return sorted(found, key=lambda f: f.stat().st_mtime, reverse=True)[:most]
+
+
+def _load(json_path: Path) -> "PrivacyLedger":
+    from .accounting import LedgerIntegrityError, PrivacyLedger
+
     try:
         return PrivacyLedger.load(json_path)
     except LedgerIntegrityError as exc:
@@ -54,7 +80,7 @@ def _load(json_path: Path) -> PrivacyLedger:
         raise CLIError(f"cannot read {json_path}: {exc}") from exc
 
 
-def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, PrivacyLedger], str]:
+def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, "PrivacyLedger"], str]:
     """The ledgers stored in the checkpoint's DeepSpeed client state, by where they were found, and a note.
 
     Loaded with ``weights_only=True`` (no code runs while unpickling; ``mmap`` so the weights are not read),
@@ -62,6 +88,9 @@ def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, Privac
     other Python objects into the checkpoint) *and* the user passed ``--trust-checkpoint`` does it fall back
     to ``weights_only=False``, which can run arbitrary code from the file: for trusted local files only.
     """
+    from .accounting import LedgerIntegrityError
+    from .checkpoints.reader import CheckpointReadError, client_state_ledgers, model_states_file
+
     try:
         return client_state_ledgers(ckpt_dir, trust=trust)
     except pickle.UnpicklingError as exc:
@@ -79,7 +108,7 @@ def _fmt_eps(eps: float) -> str:
     return "inf (an entry has noise_multiplier 0: no privacy)" if math.isinf(eps) else repr(eps)
 
 
-def _summary(ledger: PrivacyLedger) -> dict:
+def _summary(ledger: "PrivacyLedger") -> dict:
     return {"run_id": ledger.run_id, "dataset_size": ledger.dataset_size, "delta": ledger.delta,
             "accountant": ledger.accountant,
             "entries": [{"sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier,
@@ -125,6 +154,8 @@ def cmd_show(args) -> int:
 
 def cmd_verify(args) -> int:
     """Check the hash chain, recompute ε, and compare with the checkpoint's client-state copies."""
+    from .checkpoints.reader import same_ledger
+
     json_path, ckpt_dir = _resolve(args.path)
     ledger = _load(json_path)  # verifies the hash chain and the head
     eps = ledger.epsilon()
@@ -146,10 +177,12 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def epsilon_curve(ledger: PrivacyLedger, points: int = 100, accountant: Optional[str] = None
+def epsilon_curve(ledger: "PrivacyLedger", points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
     """ε (exact, dp-accounting) after t steps, at about ``points`` step counts t from 0 to the total,
     always including every entry boundary. Returns (steps, epsilons)."""
+    from .accounting import LedgerEntry, compute_epsilon
+
     accountant = accountant or ledger.accountant
     total = ledger.steps
     grid = {0, total}
@@ -250,7 +283,9 @@ def ledger_main(argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------------------------- LightningCLI
 _DESCRIPTION = ("Lightning CLI with differentially private DeepSpeed strategies (strategy: dp_deepspeed_stage_3, or "
                 "class_path: lightning_dpzero.DPDeepSpeedStrategy). Also: `lightning-dpzero ledger "
-                "{show,verify,plot} PATH` to inspect a checkpoint's privacy ledger.")
+                "{show,verify,plot} PATH` to inspect a checkpoint's privacy ledger, `lightning-dpzero plan ...` for "
+                "sigma, q, steps and epsilon before training, `lightning-dpzero wandb-summary RUN_DIR` for an offline "
+                "W&B run's DP series and ledger.")
 
 
 def lightning_main(argv: Optional[Sequence[str]] = None):
@@ -268,7 +303,8 @@ def lightning_main(argv: Optional[Sequence[str]] = None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``lightning-dpzero``: ``ledger ...`` subcommands, else the Lightning CLI.
+    """Entry point of ``lightning-dpzero``: ``ledger ...``, ``plan ...``, ``wandb-summary ...``, else the
+    Lightning CLI.
 
     Returns the exit status (the console script passes it to ``sys.exit``); argument errors and ``--help``
     raise ``SystemExit`` as usual. When stdout's reader goes away (``... | head``) it exits quietly with
@@ -278,6 +314,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args and args[0] == "ledger":
             status = ledger_main(args[1:])
+        elif args and args[0] == "plan":
+            from .planner import plan_main
+
+            status = plan_main(args[1:])
+        elif args and args[0] == "wandb-summary":
+            from .wandb_offline import summary_main
+
+            status = summary_main(args[1:])
         else:
             lightning_main(argv)  # None: LightningCLI reads sys.argv itself (and warns if given both)
             status = 0

@@ -8,10 +8,13 @@ plain numbers, so any driver of the mechanism (the Lightning strategy, a Fabric 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+# lightning_utilities (not lightning.pytorch): the planner builds plans without importing Lightning
+from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 
 from ._options import Accountant, Sampler, check_option
 from .accounting import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
@@ -145,6 +148,15 @@ class PrivacyPlan:
         return cls(dataset_size=n, sample_rate=q, expected_batch_size=q * n, noise_multiplier=float(sigma),
                    delta=delta, planned_steps=planned, sampler_kind=sampler_kind,
                    accountant=accountant, target_epsilon=target_epsilon)
+
+
+def rank_zero_warn(message: str) -> None:
+    """Warn on rank 0 only; outside a Lightning run (``lightning-dpzero plan``: one process, no rank set) as a
+    plain ``UserWarning``."""
+    if getattr(rank_zero_only, "rank", None) is None:
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        _rank_zero_warn(message)
 
 
 SHUFFLE_ACCOUNTING_WARNING = (

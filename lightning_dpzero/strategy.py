@@ -19,7 +19,7 @@ import contextlib
 from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
@@ -284,3 +284,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"DP-SGD on DeepSpeed {kw or 'ZeRO stage 2'}",
                                            **kw)
+
+
+# ``import lightning_dpzero`` gets here as soon as Lightning is imported (lightning_dpzero/_registration.py)
+DPDeepSpeedStrategy.register_strategies(StrategyRegistry)

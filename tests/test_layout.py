@@ -77,13 +77,15 @@ def test_the_strategy_only_wires():
 
 
 def _code_strings(f: Path) -> list[str]:
-    """String constants of a file's code, docstrings and ``__all__`` (names, not values) left out."""
+    """String constants of a file's code, docstrings, ``__all__`` and a lazy package's ``_EXPORTS`` (public
+    names and their modules, not values) left out."""
     tree = ast.parse(f.read_text(encoding="utf-8"))
     skip = {id(n.body[0].value) for n in ast.walk(tree)
             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
             and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
     for n in ast.walk(tree):
-        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in ("__all__", "_EXPORTS")
+                                             for t in n.targets):
             skip |= {id(c) for c in ast.walk(n.value)}
     return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
             and id(n) not in skip]
