@@ -14,6 +14,8 @@ import torch
 from torch.utils.data import DistributedSampler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from .privacy_plan import limited_micro_batches  # noqa: F401  (the strategy reads it here)
+
 
 def check_trainer(trainer, deepspeed_config) -> None:
     """Refuse Trainer and DeepSpeed settings that would clip the noisy gradient or under-charge the ledger."""
@@ -68,16 +70,6 @@ def warn_injected_batch_size_one(dataloader) -> None:
             "sample rate q is set for micro-batches of 1 example. If you built it with batch_sampler="
             "BatchSampler(...), Lightning dropped that batch sampler: pass batch_size=B instead (the DP sampler "
             "replaces the sampling anyway), or set Trainer(use_distributed_sampler=False) to have it refused.")
-
-
-def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
-    """Micro-batches an epoch runs under ``Trainer(limit_train_batches=...)`` (an int: at most that many; a
-    fraction below 1: that share)."""
-    if isinstance(limit_train_batches, int):
-        return min(micro_batches, limit_train_batches)
-    if limit_train_batches < 1.0:
-        return int(micro_batches * limit_train_batches)
-    return micro_batches
 
 
 @contextlib.contextmanager

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import math
 import os
 import pickle
 import sys
@@ -104,57 +102,20 @@ def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, "Priva
 
 
 # ---------------------------------------------------------------------------------------------- commands
-def _fmt_eps(eps: float) -> str:
-    return "inf (an entry has noise_multiplier 0: no privacy)" if math.isinf(eps) else repr(eps)
-
-
-def _summary(ledger: "PrivacyLedger") -> dict:
-    return {"run_id": ledger.run_id, "dataset_size": ledger.dataset_size, "delta": ledger.delta,
-            "accountant": ledger.accountant,
-            "entries": [{"sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier,
-                         "steps": e.steps, "sampler": e.sampler} for e in ledger.entries],
-            "steps": ledger.steps, "epsilon": ledger.epsilon(),
-            "epsilon_pld": ledger.epsilon(accountant="pld"), "epsilon_rdp": ledger.epsilon(accountant="rdp"),
-            "versions": dict(ledger.versions), "head": ledger.head}
-
-
 def cmd_show(args) -> int:
     """Print the ledger's metadata, entries, total steps, ε (PLD, exact) and ε (RDP)."""
+    from .ledger_report import ledger_lines, ledger_summary
+
     json_path, _ = _resolve(args.path)
     ledger = _load(json_path)
-    s = _summary(ledger)
-    if args.json:
-        print(json.dumps({k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in s.items()},
-                         indent=2))
-        return 0
-    samplers = sorted({e.sampler for e in ledger.entries})
-    sampler = ", ".join(samplers) or "-"
-    if "shuffle" in samplers:
-        sampler += " (shuffled fixed-size batches accounted as if Poisson: an approximation)"
-    mark = {"pld": "", "rdp": ""}
-    mark[ledger.accountant] = "  <- ledger's accountant"
-    print(f"privacy ledger:   {json_path}")
-    print(f"run id:           {ledger.run_id}")
-    print(f"dataset size N:   {ledger.dataset_size}")
-    print(f"delta:            {ledger.delta!r}")
-    print(f"accountant:       {ledger.accountant}")
-    print(f"sampler:          {sampler}")
-    print(f"entries:          {len(ledger.entries)}")
-    print(f"  {'#':>3}  {'q (sample_rate)':>22}  {'sigma (noise_multiplier)':>24}  {'steps':>9}  sampler")
-    for i, e in enumerate(ledger.entries, 1):
-        print(f"  {i:>3}  {e.sample_rate!r:>22}  {e.noise_multiplier!r:>24}  {e.steps:>9}  {e.sampler}")
-    print(f"total steps:      {ledger.steps}")
-    print(f"epsilon (pld):    {_fmt_eps(s['epsilon_pld'])}  (exact, at delta={ledger.delta!r}){mark['pld']}")
-    print(f"epsilon (rdp):    {_fmt_eps(s['epsilon_rdp'])}{mark['rdp']}")
-    versions = ", ".join(f"{k} {v}" for k, v in sorted(ledger.versions.items())) or "-"
-    print(f"versions:         {versions}")
-    print(f"hash head:        {ledger.head}")
+    print(json.dumps(ledger_summary(ledger), indent=2) if args.json else "\n".join(ledger_lines(ledger, json_path)))
     return 0
 
 
 def cmd_verify(args) -> int:
     """Check the hash chain, recompute ε, and compare with the checkpoint's client-state copies."""
     from .checkpoints.reader import same_ledger
+    from .ledger_report import format_epsilon
 
     json_path, ckpt_dir = _resolve(args.path)
     ledger = _load(json_path)  # verifies the hash chain and the head
@@ -170,7 +131,7 @@ def cmd_verify(args) -> int:
         if copies:
             note = f"client state: matches ({', '.join(copies)})"
     print(f"OK {json_path}: run {ledger.run_id}, {ledger.steps} steps in {len(ledger.entries)} entries, "
-          f"N={ledger.dataset_size}, epsilon={_fmt_eps(eps)} ({ledger.accountant}) at delta={ledger.delta!r}, "
+          f"N={ledger.dataset_size}, epsilon={format_epsilon(eps)} ({ledger.accountant}) at delta={ledger.delta!r}, "
           f"hash chain intact (head {ledger.head[:16]})")
     if note:
         print(note)
@@ -179,63 +140,26 @@ def cmd_verify(args) -> int:
 
 def epsilon_curve(ledger: "PrivacyLedger", points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
-    """ε (exact, dp-accounting) after t steps, at about ``points`` step counts t from 0 to the total,
-    always including every entry boundary. Returns (steps, epsilons)."""
-    from .accounting import LedgerEntry, compute_epsilon
+    """ε (exact) after t steps, at about ``points`` step counts: :func:`lightning_dpzero.ledger_report.epsilon_curve`."""
+    from .ledger_report import epsilon_curve as curve
 
-    accountant = accountant or ledger.accountant
-    total = ledger.steps
-    grid = {0, total}
-    grid.update(round(total * i / max(1, points)) for i in range(points + 1))
-    bounds, t = [], 0
-    for e in ledger.entries:
-        t += e.steps
-        bounds.append(t)
-    grid.update(bounds)
-    xs, ys = sorted(grid), []
-    for t in xs:
-        prefix, left = [], t
-        for e in ledger.entries:
-            if left <= 0:
-                break
-            n = min(e.steps, left)
-            prefix.append(LedgerEntry(e.sample_rate, e.noise_multiplier, n, e.sampler))
-            left -= n
-        ys.append(compute_epsilon(prefix, ledger.delta, accountant))
-    return xs, ys
+    return curve(ledger, points, accountant)
 
 
 def cmd_plot(args) -> int:
     """Write a PNG of ε against steps (PLD and RDP), with entry boundaries marked."""
+    from .ledger_report import format_epsilon, plot_epsilon
+
     json_path, _ = _resolve(args.path)
     ledger = _load(json_path)
+    accountants = ["pld", "rdp"] if args.accountant == "both" else [args.accountant]
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        out = plot_epsilon(ledger, args.output, accountants, args.points, args.dpi)
     except ImportError as exc:
         raise CLIError("`ledger plot` needs matplotlib: pip install matplotlib "
                        "(or lightning-dpzero[examples])") from exc
-    accountants = ["pld", "rdp"] if args.accountant == "both" else [args.accountant]
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for acc in accountants:
-        xs, ys = epsilon_curve(ledger, args.points, acc)
-        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=f"{acc.upper()}" + (" (exact)" if acc == "pld" else ""))
-    t = 0
-    for e in ledger.entries[:-1]:
-        t += e.steps
-        ax.axvline(t, color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("optimizer steps")
-    ax.set_ylabel(f"epsilon at delta={ledger.delta:g}")
-    ax.set_title(f"run {ledger.run_id[:12]}  N={ledger.dataset_size}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(args.output)
-    fig.savefig(out, format="png", dpi=args.dpi)
     print(f"wrote {out} ({len(accountants)} curve(s), {ledger.steps} steps, "
-          f"final epsilon={_fmt_eps(ledger.epsilon())} ({ledger.accountant}))")
+          f"final epsilon={format_epsilon(ledger.epsilon())} ({ledger.accountant}))")
     return 0
 
 
@@ -266,18 +190,15 @@ def _ledger_parser() -> argparse.ArgumentParser:
 
 def ledger_main(argv: Sequence[str]) -> int:
     """``lightning-dpzero ledger ...``; returns the exit status (0 OK, 1 failure, 2 usage error)."""
+    from .ledger_report import quiet_logs
+
     args = _ledger_parser().parse_args(list(argv))
-    # dp-accounting's RDP warns (via absl) about Rényi orders it drops; the result is still an upper bound.
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
     try:
-        return args.func(args)
+        with quiet_logs():
+            return args.func(args)
     except CLIError as exc:
         print(f"lightning-dpzero ledger {args.command}: {exc}", file=sys.stderr)
         return 1
-    finally:
-        absl.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------- LightningCLI
@@ -290,16 +211,9 @@ _DESCRIPTION = ("Lightning CLI with differentially private DeepSpeed strategies 
 
 def lightning_main(argv: Optional[Sequence[str]] = None):
     """Run :class:`~lightning.pytorch.cli.LightningCLI`; model and datamodule are named by ``class_path``."""
-    from lightning.pytorch.cli import LightningCLI
+    from ._lightning_cli import build_cli
 
-    import lightning_dpzero  # noqa: F401  (registers the dp_deepspeed* strategies)
-
-    # Like `python -m`, let a config's class_path name modules of the directory it is run from.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return LightningCLI(subclass_mode_model=True, subclass_mode_data=True,
-                        save_config_kwargs={"overwrite": True}, parser_kwargs={"description": _DESCRIPTION},
-                        args=None if argv is None else list(argv))
+    return build_cli(argv, description=_DESCRIPTION)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

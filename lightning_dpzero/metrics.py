@@ -28,10 +28,10 @@ from typing_extensions import override
 
 from .checkpoints.format import LEDGER_FILE
 from .mechanism import DPMechanism
+from .wandb_offline import LEDGER_ARTIFACT_TYPE
 
 Number = Union[int, float, torch.Tensor]
 
-LEDGER_ARTIFACT_TYPE = "privacy-ledger"
 
 
 def _scalar(value: Number, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -216,7 +216,8 @@ class PrivacyRunLogger(Callback):
       for each of the trainer's loggers, so a W&B run's config holds ``dp.noise_multiplier``,
       ``dp.sample_rate``, ``dp.max_grad_norm``, ``dp.delta``, ``dp.target_epsilon``, ...
     * ``on_fit_end`` (rank 0): the ledger as ``privacy_ledger.json``: for a :class:`WandbLogger` a
-      ``wandb.Artifact`` of type ``"privacy-ledger"`` (metadata: ε, δ, steps, run id, hash head), and for
+      ``wandb.Artifact`` of type ``"privacy-ledger"`` (metadata: ε, δ, steps, run id, hash head) and a copy among
+      the run's files (``files/privacy_ledger.json`` of the run directory), and for
       any logger with a ``log_dir`` a copy of the file there. The run's summary also gets the final
       ``epsilon`` (exact, PLD/RDP as configured).
 
@@ -289,6 +290,12 @@ class PrivacyRunLogger(Callback):
                                       metadata=meta)
             artifact.add_file(str(path), name=LEDGER_FILE)
             run.log_artifact(artifact)  # add_file copied the file into the artifact's staging area
+        # and among the run's own files (uploaded with it): an offline run directory then holds its ledger
+        # whatever becomes of wandb's staging area (lightning-dpzero wandb-summary reads either)
+        run_dir = getattr(run, "dir", None)
+        if run_dir:
+            ledger.save(Path(run_dir) / LEDGER_FILE)
+            self.ledger_paths.append(Path(run_dir) / LEDGER_FILE)
         run.summary["final_epsilon"] = meta["epsilon"]
         run.summary["final_dp_steps"] = meta["steps"]
 

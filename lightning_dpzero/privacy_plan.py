@@ -173,6 +173,16 @@ def warn_shuffle_accounting() -> None:
     rank_zero_warn(SHUFFLE_ACCOUNTING_WARNING)
 
 
+def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
+    """Micro-batches an epoch runs under ``Trainer(limit_train_batches=...)`` (an int: at most that many; a
+    fraction below 1: that share)."""
+    if isinstance(limit_train_batches, int):
+        return min(micro_batches, limit_train_batches)
+    if limit_train_batches < 1.0:
+        return int(micro_batches * limit_train_batches)
+    return micro_batches
+
+
 def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str) -> int:
     """Steps (q, σ) that fit in ε ≤ target (for messages)."""
     if sigma == 0:

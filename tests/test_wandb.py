@@ -2,16 +2,13 @@
 
 The example runs as a subprocess through the CLI (Lightning relaunches the running command for rank 1, so
 it must not be pytest): the Shakespeare GPT, shrunk, 5 steps, with ``examples/configs/wandb.yaml``
-(``WandbLogger(offline=True)``). wandb 0.31 ships no Python reader for its offline files, so
-:func:`read_records` parses the file's framing (LevelDB log format: 32 KiB blocks of records, each a
-7-byte header ``crc32 | length | type`` then data; a record longer than a block is split into
-FIRST/MIDDLE/LAST pieces) and decodes each record with wandb's own protobuf classes (``wandb.proto``).
+(``WandbLogger(offline=True)``). wandb 0.31 ships no Python reader for its offline files; the package's
+:mod:`lightning_dpzero.wandb_offline` parses them (and ``lightning-dpzero wandb-summary`` prints them).
 """
 
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -21,67 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("wandb")
 
-_BLOCK, _HEADER = 32768, 7
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_records(path):
-    """Yield the ``wandb_internal_pb2.Record`` messages of an offline run file, in order."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(path).read_bytes()
-    ident, _magic, _version = struct.unpack("<4sHB", data[:_HEADER])
-    assert ident == b":W&B", f"{path} is not a W&B transaction log"
-    pos, pieces = _HEADER, []
-    while pos + _HEADER <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _HEADER:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
-        if kind == 0:  # zero padding up to the end of the block
-            pos += left
-            continue
-        chunk = data[pos + _HEADER:pos + _HEADER + length]
-        pos += _HEADER + length
-        if kind in (_FULL, _FIRST):
-            pieces = [chunk]
-        else:
-            pieces.append(chunk)
-        if kind in (_FULL, _LAST):
-            record = pb.Record()
-            record.ParseFromString(b"".join(pieces))
-            yield record
-
-
-def _key(item) -> str:
-    return item.key or "/".join(item.nested_key)
-
-
-def read_run(run_file):
-    """{history: [dict per logged row], config: {key: value}, summary: {...}, artifacts: [ArtifactRecord]}."""
-    history, config, summary, artifacts = [], {}, {}, []
-    for r in read_records(run_file):
-        kind = r.WhichOneof("record_type")
-        if kind == "history":
-            history.append({_key(i): json.loads(i.value_json) for i in r.history.item})
-        elif kind == "config":
-            config.update({_key(i): json.loads(i.value_json) for i in r.config.update})
-        elif kind == "run":
-            config.update({_key(i): json.loads(i.value_json) for i in r.run.config.update})
-        elif kind == "summary":
-            summary.update({_key(i): json.loads(i.value_json) for i in r.summary.update})
-        elif kind == "artifact":
-            artifacts.append(r.artifact)
-    return {"history": history, "config": config, "summary": summary, "artifacts": artifacts}
-
-
-def series(history, key):
-    return [row[key] for row in history if key in row]
+from lightning_dpzero.wandb_offline import read_run, series  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def wandb_run(tmp_path_factory):
+def wandb_dir(tmp_path_factory):
+    """The offline run directory of a 5-step run, and the run's stdout."""
     tmp = tmp_path_factory.mktemp("wandb")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONWARNINGS="ignore", WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp),
@@ -96,7 +38,13 @@ def wandb_run(tmp_path_factory):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     files = sorted((tmp / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, f"expected one offline run under {tmp / 'wandb'}, found {files}"
-    return read_run(files[0]), proc.stdout
+    return files[0].parent, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def wandb_run(wandb_dir):
+    run_dir, stdout = wandb_dir
+    return read_run(next(run_dir.glob("run-*.wandb"))), stdout
 
 
 @pytest.mark.slow
@@ -157,3 +105,57 @@ def test_ledger_is_attached_as_artifact(wandb_run):
     final = [ln for ln in stdout.splitlines() if ln.startswith("val_perplexity=")]
     assert len(final) == 1, stdout[-3000:]
     assert math.isclose(float(final[0].split("epsilon=")[1].split()[0]), ledger.epsilon(), abs_tol=1e-3)
+
+
+@pytest.mark.slow
+def test_wandb_summary_prints_the_dp_series_and_the_ledger(wandb_dir, wandb_run, capsys):
+    """`lightning-dpzero wandb-summary RUN_DIR`: the logged ε, δ, σ, q per step and the verified ledger."""
+    from lightning_dpzero.cli import main
+    from lightning_dpzero.wandb_offline import offline_run_summary
+
+    run_dir, _ = wandb_dir
+    run, _ = wandb_run
+    s = offline_run_summary(run_dir.parent.parent)  # the logger's save_dir: one offline run below it
+    assert [v for _, v in s["series"]["epsilon"]] == series(run["history"], "epsilon")
+    assert [step for step, _ in s["series"]["dp_steps"]] == [0, 1, 2, 3, 4]  # trainer/global_step of each row
+    for key in ("delta", "noise_multiplier", "sample_rate"):
+        assert len(s["series"][key]) == 5, key
+    assert s["dp_config"]["max_grad_norm"] == 1.0 and s["summary"]["final_dp_steps"] == 5
+    assert s["ledger"].steps == 5 and s["summary"]["final_epsilon"] == pytest.approx(s["ledger"].epsilon())
+    assert main(["wandb-summary", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "privacy ledger:" in out and s["ledger"].run_id in out and "noise_multiplier" in out
+    assert main(["wandb-summary", "--json", str(run_dir)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["ledger"]["steps"] == 5 and printed["ledger"]["epsilon"] == s["ledger"].epsilon()
+    assert len(printed["series"]["epsilon"]) == 5
+
+
+@pytest.mark.slow
+def test_the_run_directory_holds_its_ledger_without_wandbs_staging_area(wandb_dir, wandb_run, tmp_path):
+    """PrivacyRunLogger saves the ledger among the run's files too; the reader falls back to that copy."""
+    import shutil
+
+    from lightning_dpzero import PrivacyLedger
+    from lightning_dpzero.wandb_offline import offline_run_summary
+
+    run_dir, _ = wandb_dir
+    run, _ = wandb_run
+    (art,) = [a for a in run["artifacts"] if a.type == "privacy-ledger"]
+    staged = Path(art.manifest.contents[0].local_path)
+    copy = run_dir / "files" / "privacy_ledger.json"
+    assert PrivacyLedger.load(copy) == PrivacyLedger.load(staged)
+    moved = tmp_path / "staged.json"
+    shutil.move(staged, moved)  # as after wandb's staging area was cleaned
+    try:
+        s = offline_run_summary(run_dir)
+        assert Path(s["ledger_file"]) == copy and s["ledger"].steps == 5
+    finally:
+        shutil.move(moved, staged)
+
+
+def test_a_directory_without_an_offline_run_says_where_it_looked(tmp_path, capsys):
+    from lightning_dpzero.cli import main
+
+    assert main(["wandb-summary", str(tmp_path)]) == 1
+    assert "no offline W&B run here" in capsys.readouterr().err
