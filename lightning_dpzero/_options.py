@@ -15,6 +15,7 @@ LossReduction = Literal["mean", "sum"]
 Accountant = Literal["pld", "rdp"]
 OnBudgetExhausted = Literal["stop", "raise"]
 Sampler = Literal["poisson", "shuffle"]
+AccountingWorker = Literal["process", "thread", "none"]
 
 
 def check_option(name: str, value: Any, options: Any, hint: str = "") -> Any:

@@ -9,6 +9,7 @@ takes the clipping statistics (``take_stats``) and hands a ledger from its own s
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -16,8 +17,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ._options import Accountant, OnBudgetExhausted, check_option
+from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
+from .accounting.background import AccountingAhead, Answerer
+from .checkpoints.format import LEDGER_FILE
 from .checkpoints.format import CALLBACK_STATE_KEY
 from .mechanism import DPMechanism
 from .metrics import ClipFraction, MeanGradNorm
@@ -45,6 +48,11 @@ class PrivacyAccountantCallback(Callback):
             ``min_steps``/``min_epochs`` prevent the stop, the step is refused by raising as well.
         log_second_accountant: also log ε by the other accountant (``epsilon_rdp`` when ``accountant="pld"``,
             ``epsilon_pld`` when ``accountant="rdp"``); the budget is always judged by ``accountant``.
+        accounting_worker: where rank 0 computes the per-step ε and budget answers, a few steps ahead of the
+            training loop: ``"process"`` (default; a child process, so the step does not wait for dp-accounting),
+            ``"thread"`` (a thread of the training process), or ``"none"`` (inside the step). The values logged
+            and the budget decisions are exactly the same in all three; a step whose answer is not ready waits
+            for it (:mod:`lightning_dpzero.accounting.background`).
 
     After every optimizer step it logs ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and
     ``dp_steps`` (plus ``clip_fraction`` and ``mean_grad_norm`` over all ranks' examples of that step) with
@@ -55,6 +63,10 @@ class PrivacyAccountantCallback(Callback):
     tracker's upper bound (at most ~2% above the exact value); :meth:`epsilon` gives the exact one. ε is
     0 before the first step, nothing is logged during the sanity check, and with σ = 0 it is ``inf``.
     Its state (saved in every checkpoint) is the ledger.
+
+    Rank 0 prints one line with the
+    privacy plan when training starts (σ, q, expected batch, planned steps, target ε, δ, N) and one with the exact ε
+    spent (and the checkpoint that holds the ledger) when fit ends.
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy (one with a ``mechanism``, a DPMechanism).
@@ -75,12 +87,15 @@ class PrivacyAccountantCallback(Callback):
 
     def __init__(self, target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA,
                  accountant: Accountant = "pld", on_budget_exhausted: OnBudgetExhausted = "stop",
-                 log_second_accountant: bool = False):
+                 log_second_accountant: bool = False, accounting_worker: AccountingWorker = "process"):
         self.settings = AccountingSettings(target_epsilon, delta, accountant)
         self.on_budget_exhausted = check_option(
             "on_budget_exhausted", on_budget_exhausted, OnBudgetExhausted,
             "'stop' ends training after the last step within the budget, 'raise' raises PrivacyBudgetExceeded.")
         self.log_second_accountant = bool(log_second_accountant)
+        self.accounting_worker = check_option(
+            "accounting_worker", accounting_worker, AccountingWorker,
+            "'process' computes ε ahead of the steps in a child process, 'thread' in a thread, 'none' in the step.")
         self._tracker = EpsilonTracker()
         self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
         # the step's clipping statistics over all ranks: the sums come from the one all-reduce in _decide
@@ -88,6 +103,8 @@ class PrivacyAccountantCallback(Callback):
         self._mean_grad_norm = MeanGradNorm(sync_on_compute=False)
         self._logged_steps = -1
         self._mechanism: Optional[DPMechanism] = None
+        self._ahead: Optional[AccountingAhead] = None  # rank 0, while training
+        self._sigma_given = False
         self._next_step_allowed = True   # agreed by all ranks at the last accumulation boundary
         self.budget_exhausted = False    # True once the budget stopped (or refused) a step
 
@@ -107,7 +124,10 @@ class PrivacyAccountantCallback(Callback):
             raise TypeError(f"PrivacyAccountantCallback needs a DP strategy (e.g. strategy='dp_deepspeed_stage_3'), "
                             f"got {type(trainer.strategy).__name__}.")
         self._mechanism = mechanism
+        self._sigma_given = mechanism.noise_multiplier is not None  # else the plan calibrates it
         mechanism.use_accounting(self.settings)
+        if stage == "fit" and trainer.global_rank == 0 and self._ahead is None:
+            self._start_accounting()  # the worker process starts while DeepSpeed initialises
 
     @property
     def ledger(self) -> Optional[PrivacyLedger]:
@@ -124,24 +144,22 @@ class PrivacyAccountantCallback(Callback):
         ledger = self.ledger
         if ledger is None or ledger.steps == 0:
             return 0.0
+        if self._ahead is not None:  # the worker holds the tracker while it runs: ask it, after its queue
+            return self._ahead.epsilon(ledger, exact, accountant)
         return self._tracker.epsilon(ledger, exact=exact, accountant=accountant)
+
+    def _answerer(self) -> Answerer:
+        return Answerer(self._tracker, self._guard, self.second_accountant if self.log_second_accountant else None)
 
     @property
     def second_accountant(self) -> str:
         return "rdp" if self.accountant == "pld" else "pld"
 
     # ---------------------------------------------------------------------------------------------- budget
-    def _budget_allows_next_step(self) -> bool:
-        """This rank's answer: does the ledger stay within target_epsilon after the plan's next step?"""
-        ledger, plan = self.ledger, self._plan
-        if self._guard is None or ledger is None or plan is None:
-            return True
-        return self._guard.allows_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
-
     def _exhausted_message(self, trainer) -> str:
         ledger, plan = self.ledger, self._plan
-        after = self._guard.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier,
-                                                    plan.sampler_kind)
+        ask = self._ahead if self._ahead is not None else self._guard
+        after = ask.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
         planned = f" of the planned {plan.planned_steps}" if plan.planned_steps else ""
         return (f"Privacy budget exhausted: after {ledger.steps}{planned} optimizer steps ε = "
                 f"{self.epsilon():.6g} ({self.accountant}, δ = {self.delta:g}); one more step (q = "
@@ -159,13 +177,33 @@ class PrivacyAccountantCallback(Callback):
                       and trainer.current_epoch + 1 >= loop.max_epochs)
         return not (last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
 
-    def _decide(self, trainer, stats: Optional[list[float]] = None) -> Optional[list[float]]:
+    def _answers(self, trainer):
+        """Rank 0's :class:`StepAnswers` for the ledger as it is (ε to log, the budget's answer for the next
+        step); None on the other ranks, which get them through the all-reduce of :meth:`_decide`."""
+        if trainer.global_rank != 0:
+            return None
+        if self._ahead is None:
+            self._start_accounting()
+        plan = self._plan
+        return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
+
+    def _start_accounting(self) -> None:
+        self._ahead = AccountingAhead(self._answerer(), self.accounting_worker)
+
+    def _close_accounting(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+
+    def _decide(self, trainer, stats: Optional[list[float]] = None, allows: Optional[bool] = None
+                ) -> Optional[list[float]]:
         """At an accumulation boundary (or before the first step): agree over ranks whether the next step
-        fits, and reduce this step's clipping statistics in the same collective. Returns the summed stats."""
+        fits (``allows``: rank 0's answer), and reduce this step's clipping statistics in the same collective.
+        Returns the summed stats."""
         local = [] if stats is None else list(stats)
         # every rank holds the same ledger: rank 0 alone evaluates the budget (dp-accounting costs milliseconds
         # per new step count) and the all-reduce below hands its answer to the others
-        refuse = 1.0 if trainer.global_rank == 0 and not self._budget_allows_next_step() else 0.0
+        refuse = 1.0 if trainer.global_rank == 0 and allows is False else 0.0
         if trainer.world_size > 1:
             # every rank reaches the same boundaries; one small all-reduce keeps ranks from ever disagreeing
             t = torch.tensor(local + [refuse], dtype=torch.float64, device=trainer.strategy.root_device)
@@ -183,7 +221,10 @@ class PrivacyAccountantCallback(Callback):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._logged_steps = self.ledger.steps if self.ledger is not None else -1
-        self._decide(trainer)
+        answers = self._answers(trainer) if self._plan is not None else None
+        self._decide(trainer, allows=None if answers is None else answers.allows_next_step)
+        if self._plan is not None:
+            rank_zero_info(self._start_line(trainer))
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -210,12 +251,14 @@ class PrivacyAccountantCallback(Callback):
         # ε (the tracker's bound; with a budget, never above the target while within it) is computed on rank 0
         # only and reaches the other ranks through the statistics' all-reduce (0 elsewhere: the sum is rank 0's)
         eps = [0.0] * (1 + bool(self.log_second_accountant))
-        if trainer.global_rank == 0:
-            eps[0] = self._guard.epsilon_upper_bound(ledger) if self._guard is not None else self.epsilon(exact=False)
+        answers = self._answers(trainer)
+        if answers is not None:
+            eps[0] = answers.epsilon
             if self.log_second_accountant:
-                eps[1] = self.epsilon(exact=False, accountant=self.second_accountant)
+                eps[1] = answers.epsilon_second
         local = [float(stats.examples), float(stats.clipped), stats.norm_sum]
-        examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps)
+        examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps,
+                                                         None if answers is None else answers.allows_next_step)
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
         if self.log_second_accountant:
@@ -233,10 +276,57 @@ class PrivacyAccountantCallback(Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
+        self._close_accounting()
         if self.budget_exhausted and self.on_budget_exhausted == "stop":
             rank_zero_info(f"Training stopped by the privacy budget after {self.ledger.steps} optimizer steps: "
                            f"ε = {self.epsilon():.6g} <= target_epsilon = {self.target_epsilon:g} "
                            f"(δ = {self.delta:g}).")
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._close_accounting()
+
+    @override
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._close_accounting()
+
+    @override
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.ledger is not None and self._plan is not None:
+            rank_zero_info(self._end_line(trainer))
+
+    # ---------------------------------------------------------------------------------------------- summary lines
+    def _start_line(self, trainer) -> str:
+        """One line: the plan every step is charged with (rank 0 prints it when training starts)."""
+        plan, ledger = self._plan, self.ledger
+        if self._sigma_given:
+            how = "given"
+        else:
+            how = f"calibrated to epsilon <= {plan.target_epsilon:g} over the planned steps"
+        steps = f"{plan.planned_steps} planned steps" if plan.planned_steps else "no step bound"
+        target = f"target epsilon {plan.target_epsilon:g}" if plan.target_epsilon is not None else "no target epsilon"
+        line = (f"DP-SGD: sigma={plan.noise_multiplier!r} ({how}), q={plan.sample_rate:.6g}, expected batch "
+                f"{plan.expected_batch_size:g}, {steps}, {target}, delta={plan.delta:g}, N={plan.dataset_size} "
+                f"({plan.accountant}, {'Poisson' if plan.sampler_kind == 'poisson' else 'shuffled batches'})")
+        if ledger is not None and ledger.steps:
+            line += f"; continuing a ledger of {ledger.steps} steps (epsilon={self.epsilon():.6g})"
+        return line
+
+    def _end_line(self, trainer) -> str:
+        """One line: the exact ε spent, and the checkpoint that holds this ledger (rank 0, at the end of fit)."""
+        ledger = self.ledger
+        target = f", target {self.target_epsilon:g}" if self.target_epsilon is not None else ""
+        eps = self.epsilon()
+        line = (f"DP-SGD: {ledger.steps} steps, epsilon={'inf' if math.isinf(eps) else f'{eps:.6g}'} "
+                f"({self.accountant}, exact) at delta={self.delta:g}{target}")
+        found = _checkpoint_with(trainer, ledger)
+        if found is not None:
+            path, steps = found
+            if steps == ledger.steps:
+                line += f"; ledger saved in {path} (lightning-dpzero ledger show {path})"
+            else:
+                line += f"; the last checkpoint, {path}, holds {steps} of the {ledger.steps} steps"
+        return line
 
     # ---------------------------------------------------------------------------------------------- state
     @override
@@ -251,6 +341,22 @@ class PrivacyAccountantCallback(Callback):
         if saved is None or self._mechanism is None:
             return
         self._mechanism.restore_ledger(PrivacyLedger.from_dict(saved))
+
+
+def _checkpoint_with(trainer, ledger: PrivacyLedger) -> Optional[tuple[str, int]]:
+    """The newest checkpoint a ``ModelCheckpoint`` of ``trainer`` saved with this run's ledger, and the steps its
+    ledger holds (None: no such checkpoint)."""
+    best: Optional[tuple[float, str, int]] = None
+    for cb in getattr(trainer, "checkpoint_callbacks", []):
+        for path in {getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")} - {""}:
+            json_path = Path(path) / LEDGER_FILE
+            try:
+                saved = PrivacyLedger.load(json_path)
+            except (OSError, ValueError):
+                continue
+            if saved.run_id == ledger.run_id and (best is None or json_path.stat().st_mtime > best[0]):
+                best = (json_path.stat().st_mtime, path, saved.steps)
+    return None if best is None else best[1:]
 
 
 def _step_value(metric, total: float, examples: float) -> float:

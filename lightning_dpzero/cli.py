@@ -39,12 +39,16 @@ class CLIError(Exception):
 
 # ---------------------------------------------------------------------------------------------- reading
 def _resolve(path: str) -> tuple[Path, Optional[Path]]:
-    """(ledger JSON file, checkpoint directory or None) for a PATH given on the command line."""
+    """(ledger JSON file, checkpoint directory or None) for a PATH given on the command line: the JSON file, a
+    checkpoint directory, or a directory with exactly one of those below it (a run's log directory)."""
     p = Path(path)
     if p.is_dir():
         json_path = p / LEDGER_FILE
         if not json_path.is_file():
             found = ledgers_below(p)
+            if len(found) == 1:  # a run's log directory: its one checkpoint (or logger copy) with a ledger
+                print(f"(the ledger below {p}: {found[0].parent})", file=sys.stderr)
+                return found[0], found[0].parent
             if found:
                 listed = "\n  ".join(str(f.parent) for f in found)
                 raise CLIError(f"{p} holds no {LEDGER_FILE} itself; these directories below it do (newest first; "

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from . import _refusals
+from ._known_warnings import filter_known_warnings
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
@@ -141,6 +142,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer) -> None:
+        filter_known_warnings()  # every rank: DeepSpeed's deprecated collectives would print at every step
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             _refusals.check_trainer(trainer, self.config)

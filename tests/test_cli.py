@@ -88,6 +88,26 @@ def test_verify_missing_ledger_exits_1(tmp_path, capsys):
     assert "holds no privacy_ledger.json" in capsys.readouterr().err
 
 
+def test_a_run_directory_leads_to_the_ledger_below_it(tmp_path, capsys):
+    """`ledger show lightning_logs/digits`: the run's log directory, with its checkpoint one level down."""
+    led = _ledger()
+    run_dir = tmp_path / "lightning_logs" / "digits"
+    ckpt = _checkpoint_dir(run_dir / "checkpoints", led, led)
+    assert main(["ledger", "show", str(run_dir)]) == 0
+    captured = capsys.readouterr()
+    assert led.run_id in captured.out and str(ckpt) in captured.err
+    assert main(["ledger", "verify", str(run_dir)]) == 0  # the checkpoint's client state is compared too
+    assert capsys.readouterr().out.splitlines()[1].startswith("client state: matches")
+    other = _ledger()
+    _checkpoint_dir(run_dir / "older", other, other)
+    assert main(["ledger", "show", str(run_dir)]) == 1  # two below it: which one is the user's to say
+    err = capsys.readouterr().err
+    assert "pass one of them" in err and str(ckpt) in err and "older" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["ledger", "show", str(tmp_path / "empty")]) == 1
+    assert "enable_checkpointing" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"])
 def test_verify_checkpoint_compares_client_state(tmp_path, capsys, name):
     led = _ledger()

@@ -9,6 +9,7 @@ layer of each model is one the per-example engine supports (no training launched
 import csv
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -36,12 +37,18 @@ def console_script() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_dpzero.cli"]
 
 
-def run(cmd: list[str], timeout: float = 600) -> str:
+def run(cmd: list[str], timeout: float = 600, stderr: bool = False):
+    """stdout of ``cmd`` run from the repository root (and its stderr, where the DP summary lines are logged,
+    with ``stderr=True``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout
+    return (proc.stdout, proc.stderr) if stderr else proc.stdout
+
+
+START_LINE = re.compile(r"^DP-SGD: sigma=(\S+) \(", re.M)
+END_LINE = re.compile(r"^DP-SGD: (\d+) steps, epsilon=(\S+) .*; ledger saved in (\S+) \(lightning-dpzero ledger show", re.M)
 
 
 def csv_log_dir(tmp_path: Path) -> Path:
@@ -128,10 +135,10 @@ def test_minilm_lora_trains_only_supported_adapters_and_head():
 # ---------------------------------------------------------------------------------------------- via the CLI
 @pytest.mark.slow
 def test_shakespeare_gpt_yaml_with_registered_strategy_name(tmp_path):
-    out = run(console_script() + [
-        "fit", "--config", "examples/configs/shakespeare_gpt.yaml", "--trainer.max_steps=3",
-        "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    overrides = ["--trainer.max_steps=3", "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1",
+                 "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    out, err = run(console_script() + ["fit", "--config", "examples/configs/shakespeare_gpt.yaml", *overrides],
+                   stderr=True)
     m = GPT_LINE.search(out)
     assert m, out[-3000:]
     ppl, unigram, eps, delta = (float(v) for v in m.groups()[:4])
@@ -146,6 +153,26 @@ def test_shakespeare_gpt_yaml_with_registered_strategy_name(tmp_path):
     assert ledger.steps == 3 and abs(ledger.epsilon() - eps) < 1e-3
     hparams = (log_dir / "hparams.yaml").read_text()
     assert "noise_multiplier" in hparams and "zero_stage: 3" in hparams
+    # the run says, on rank 0, the σ it calibrated and where its ledger is; the planner gives the same σ
+    (sigma,) = START_LINE.findall(err)
+    (steps, _, ckpt), = END_LINE.findall(err)
+    assert float(sigma) == ledger.entries[0].noise_multiplier and int(steps) == 3
+    assert Path(ckpt) == log_dir / "checkpoints" / "last.ckpt"
+    plan = json.loads(run(console_script() + ["plan", "--json", "--config", "examples/configs/shakespeare_gpt.yaml",
+                                              *overrides]))
+    assert plan["noise_multiplier"] == float(sigma) and plan["planned_steps"] == 3
+    check_ledger_commands(ckpt, ledger, tmp_path)
+
+
+def check_ledger_commands(ckpt: str, ledger, tmp_path: Path) -> None:
+    """`ledger show`, `verify` and `plot` on the checkpoint a YAML run left, as its page says."""
+    shown = json.loads(run(console_script() + ["ledger", "show", "--json", ckpt]))
+    assert shown["run_id"] == ledger.run_id and shown["steps"] == ledger.steps and shown["epsilon"] == ledger.epsilon()
+    verified = run(console_script() + ["ledger", "verify", ckpt])
+    assert verified.startswith("OK ") and "client state: matches" in verified
+    png = tmp_path / "epsilon.png"
+    run(console_script() + ["ledger", "plot", ckpt, "-o", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -198,6 +225,12 @@ def test_digits_yaml(tmp_path):
     assert len(lines) == 1, out[-3000:]
     assert float(lines[0][0]) == pytest.approx(acc[0], abs=0.005) and 7.9 <= float(lines[0][1]) <= 8.0
     assert (log_dir / "config.yaml").is_file()  # SaveConfigCallback writes into the log dir
+    from lightning_dpzero import PrivacyLedger
+
+    ckpt = log_dir / "checkpoints" / "last.ckpt"
+    ledger = PrivacyLedger.load(ckpt / "privacy_ledger.json")
+    assert ledger.epsilon() == pytest.approx(float(lines[0][1]), abs=0.005) and ledger.steps == 6
+    check_ledger_commands(str(ckpt), ledger, tmp_path)
 
 
 def test_digits_yaml_saves_its_config_under_lightning_logs():

@@ -1,0 +1,35 @@
+"""Warnings a DP run would print that its user cannot act on, filtered when the strategy sets up.
+
+Only warnings raised inside the libraries by calls the libraries make themselves, matched by category and exact
+message (and by the module they are attributed to where that names the caller). Nothing the user's own code or
+settings cause is filtered: warnings about the user's module, data loaders, loggers or Trainer settings still show.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+#: (category, message regex, module regex, why). DeepSpeed's ZeRO collectives call torch.distributed's
+#: deprecated names every step; torch attributes the warning to its own wrapper (``c10d_logger``) whoever
+#: calls it, and Lightning and DeepSpeed reset the "once per location" registry by changing the filters, so a run
+#: printed it hundreds of times. Lightning's own ``_pytree`` uses a deprecated torch API.
+KNOWN_WARNINGS = (
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated\.",
+     r"torch\.distributed\.c10d_logger", "DeepSpeed's ZeRO collectives"),
+    (FutureWarning, r"`torch\.distributed\._(all_gather|reduce_scatter)_base` is a private function",
+     r"torch\.distributed\.c10d_logger", "DeepSpeed's ZeRO collectives (older DeepSpeed)"),
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree",
+     "Lightning's own pytree helpers"),
+    # Lightning's advice for a single file points to its converter, which drops the privacy ledger; ours keeps it
+    # (lightning_dpzero.checkpoints.convert_zero_checkpoint_with_ledger, docs/privacy.md)
+    (UserWarning, r"When saving the DeepSpeed Stage 3 checkpoint, each worker will save a shard",
+     r"lightning\.pytorch\.strategies\.deepspeed", "advice that would lose the ledger"),
+)
+
+
+def filter_known_warnings() -> None:
+    """Install the filters of :data:`KNOWN_WARNINGS` (once; later filters of the user's take precedence)."""
+    installed = {(f[0], getattr(f[1], "pattern", None), f[2], getattr(f[3], "pattern", None)) for f in warnings.filters}
+    for category, message, module, _why in KNOWN_WARNINGS:
+        if ("ignore", message, category, module) not in installed:
+            warnings.filterwarnings("ignore", message=message, category=category, module=module, append=True)

@@ -1,0 +1,322 @@
+"""The accountant callback's per-step questions, answered ahead of the steps by a worker.
+
+After every optimizer step the callback needs ε of the ledger (the tracker's upper bound, to log) and the budget's
+answer for the next step. Early in a run each answer is a new dp-accounting evaluation (a PLD composition,
+milliseconds); computed inside the step they delay it (docs/design.md, *Accounting and the ledger*).
+:class:`AccountingAhead` has a worker compute them for the next few step counts while the steps run: every step
+of a run charges the plan's (q, σ, sampler), so the ledger after k more steps is known in advance.
+
+* The worker is a child process by default (``"process"``: it holds no lock the training loop needs, so the
+  step does not slow down while it computes), or a thread (``"thread"``: shares the interpreter lock with the
+  training loop), or none (``"none"``: every answer computed when asked, in the step).
+* Each question is asked of a frozen copy of the ledger (:class:`LedgerView`), never of the live one, and an
+  answer is used only for the ledger it was computed for (same entries, δ and accountant).
+* An answer is a pure function of that ledger and the plan (:meth:`Answerer.answer`), so it is the same whoever
+  computes it and in whatever order; it is exactly what the callback computed inside the step before.
+* If the answer for the current ledger is not ready, the step waits for it: the budget decision before a step
+  is never guessed, and the logged ε is never below the true one. A worker that fails is replaced by computing
+  in the calling process (with a warning), never by a guess.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+from .._options import AccountingWorker
+from .accountants import EpsilonTracker
+from .budget import BudgetGuard
+from .ledger import LedgerEntry
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """A frozen ledger as the tracker and the guard read it: entries, δ, accountant."""
+
+    entries: tuple
+    delta: float
+    accountant: str
+
+    @property
+    def steps(self) -> int:
+        return sum(e.steps for e in self.entries)
+
+    @property
+    def key(self) -> tuple:
+        return (tuple((e.sample_rate, e.noise_multiplier, e.steps, e.sampler) for e in self.entries), self.delta,
+                self.accountant)
+
+    def after(self, steps: int, sample_rate: float, noise_multiplier: float, sampler: str) -> "LedgerView":
+        """The view after ``steps`` more charges of (q, σ, sampler), merged as :meth:`PrivacyLedger.charge` does."""
+        entries = list(self.entries)
+        last = entries[-1] if entries else None
+        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler) == (
+                float(sample_rate), float(noise_multiplier), sampler):
+            entries[-1] = LedgerEntry(last.sample_rate, last.noise_multiplier, last.steps + steps, last.sampler)
+        else:
+            entries.append(LedgerEntry(sample_rate, noise_multiplier, steps, sampler))
+        return LedgerView(tuple(entries), self.delta, self.accountant)
+
+
+def ledger_view(ledger) -> LedgerView:
+    """A frozen copy of ``ledger`` (a :class:`~lightning_dpzero.PrivacyLedger` or any object with ``entries``,
+    ``delta`` and ``accountant``)."""
+    return LedgerView(tuple(LedgerEntry(e.sample_rate, e.noise_multiplier, e.steps, e.sampler) for e in ledger.entries),
+                      ledger.delta, ledger.accountant)
+
+
+class StepAnswers(NamedTuple):
+    """What the callback needs after a step (or before the first), for the ledger as it is then."""
+
+    epsilon: float                   #: the value to log (0.0 for an empty ledger)
+    epsilon_second: Optional[float]  #: the other accountant's, when asked for
+    allows_next_step: bool           #: the budget's exact answer for one more step of the plan
+
+
+class Answerer:
+    """The computations themselves, on one tracker and one guard (used by one thread at a time).
+
+    Args:
+        tracker: the :class:`EpsilonTracker` whose bounds are logged.
+        guard: the :class:`BudgetGuard` (None: no budget).
+        second_accountant: also answer ε by this accountant, or None.
+    """
+
+    def __init__(self, tracker: EpsilonTracker, guard: Optional[BudgetGuard], second_accountant: Optional[str]):
+        self.tracker, self.guard, self.second = tracker, guard, second_accountant
+
+    def answer(self, view: LedgerView, plan: tuple) -> StepAnswers:
+        """The budget's answer for one more step of ``plan`` = (q, σ, sampler), then ε of ``view``. Asking the
+        budget first makes ε independent of which answers were computed before: when the tracker's bound is
+        over the target the guard has then found the exact largest step count that fits, and the logged ε is
+        tightened to the exact ε there (:meth:`BudgetGuard.epsilon_upper_bound`), as it always was in order."""
+        allows = True if self.guard is None else self.guard.allows_next_step(view, *plan)
+        if view.steps == 0:
+            return StepAnswers(0.0, 0.0 if self.second else None, allows)
+        eps = self.guard.epsilon_upper_bound(view) if self.guard is not None else self.tracker.epsilon(view)
+        eps2 = self.tracker.epsilon(view, accountant=self.second) if self.second else None
+        return StepAnswers(eps, eps2, allows)
+
+    def epsilon(self, view: LedgerView, exact: bool, accountant: Optional[str]) -> float:
+        return self.tracker.epsilon(view, exact=exact, accountant=accountant) if view.steps else 0.0
+
+    def epsilon_after_next_step(self, view: LedgerView, plan: tuple) -> float:
+        return self.guard.epsilon_after_next_step(view, *plan)
+
+
+
+class WorkerLost(RuntimeError):
+    """The accounting worker process exited (or could not start)."""
+
+
+class _ProcessPool:
+    """One child process that runs :class:`Answerer` methods, with ``concurrent.futures``-like ``submit``.
+
+    Requests and answers travel as pickles over two pipes of its own (the child's stdout and stderr stay the
+    user's); answers come back in order and a reader thread resolves their futures. The child exits when the
+    request pipe closes, so it never outlives the training process."""
+
+    def __init__(self, answerer: Answerer):
+        req_r, req_w = os.pipe()
+        res_r, res_w = os.pipe()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        code = f"from lightning_dpzero.accounting.background import _serve; _serve({req_r}, {res_w})"
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(req_r, res_w), env=env,
+                                          stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            os.close(req_r)
+            os.close(res_w)
+        self._requests = os.fdopen(req_w, "wb")
+        self._results = os.fdopen(res_r, "rb")
+        self._futures: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+        self._lost: Optional[str] = None
+        self._reader = threading.Thread(target=self._read, name="dp-accounting-results", daemon=True)
+        self._reader.start()
+        self._ready = self.submit("init", answerer)  # a copy of the tracker and the guard, their caches included
+
+    @property
+    def ready(self) -> bool:
+        """The child has started and holds its copy of the answerer (before that, answer in this process)."""
+        return self._ready.done() and self._ready.exception() is None
+
+    def submit(self, method: str, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # sent is running: cancel() is then a no-op, never a race with _read
+        with self._lock:
+            if self._lost is None:
+                try:
+                    pickle.dump((method, args), self._requests, protocol=pickle.HIGHEST_PROTOCOL)
+                    self._requests.flush()
+                    self._futures.append(future)
+                    return future
+                except (OSError, ValueError) as exc:
+                    self._lost = f"cannot send to the accounting worker: {exc}"
+            future.set_exception(WorkerLost(self._lost))
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                ok, value = pickle.load(self._results)
+            except (EOFError, OSError, pickle.UnpicklingError, ValueError) as exc:
+                with self._lock:
+                    self._lost = self._lost or f"the accounting worker process exited ({type(exc).__name__})"
+                    pending, self._futures = self._futures, []
+                for future in pending:
+                    future.set_exception(WorkerLost(self._lost))
+                return
+            with self._lock:
+                future = self._futures.pop(0)
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def shutdown(self) -> None:
+        """Stop the child now: it holds nothing that is not recomputed from the ledger."""
+        with self._lock:
+            self._lost = self._lost or "closed"
+        try:
+            self._requests.close()
+        except OSError:
+            pass
+        self._proc.kill()
+        self._proc.wait()
+        self._reader.join(timeout=5)
+        self._results.close()
+
+
+def _serve(req_fd: int, res_fd: int) -> None:
+    """The worker process: answer pickled ``(method, args)`` requests in order until the pipe closes."""
+    requests, results = os.fdopen(req_fd, "rb"), os.fdopen(res_fd, "wb")
+    answerer: Optional[Answerer] = None
+    while True:
+        try:
+            method, args = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            if method == "init":
+                (answerer,), value = args, None
+            else:
+                value = getattr(answerer, method)(*args)
+            reply = (True, value)
+        except Exception as exc:  # noqa: BLE001 - handed back to the training process, which raises it
+            reply = (False, exc)
+        try:
+            pickle.dump(reply, results, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - an exception that does not pickle
+            pickle.dump((False, RuntimeError(repr(exc))), results, protocol=pickle.HIGHEST_PROTOCOL)
+        results.flush()
+
+
+class AccountingAhead:
+    """Answers :class:`StepAnswers` for a growing ledger, ``lookahead`` step counts ahead, on a worker.
+
+    Args:
+        answerer: the computations (the callback's tracker and guard); a ``"process"`` worker gets a copy of it
+            and this one computes in this process if the child fails.
+        worker: ``"process"`` (default), ``"thread"`` or ``"none"`` (see the module).
+        lookahead: how many step counts ahead of the ledger to queue (default 4).
+
+    Call :meth:`answers` with the live ledger and the plan's (q, σ, sampler) after each step, :meth:`epsilon` and
+    :meth:`epsilon_after_next_step` for other questions, and :meth:`close` at the end of training.
+    """
+
+    def __init__(self, answerer: Answerer, worker: AccountingWorker = "process", lookahead: int = 4):
+        self.answerer, self.lookahead = answerer, int(lookahead)
+        self._pool: Any = None
+        if worker == "process":
+            try:
+                self._pool = _ProcessPool(answerer)
+            except (OSError, ValueError) as exc:  # no fork/exec here, or no pass_fds (not POSIX)
+                self._lose(f"cannot start the accounting worker process: {exc}")
+        elif worker == "thread":
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-accounting")
+        self._pending: dict[tuple, concurrent.futures.Future] = {}
+        self.waited = 0  #: answers the step had to wait for (not ready when asked; diagnostics)
+
+    def _lose(self, why: str) -> None:
+        warnings.warn(f"{why}; privacy accounting continues inside the training step (same values, slower).",
+                      RuntimeWarning, stacklevel=3)
+        if self._pool is not None and hasattr(self._pool, "shutdown"):
+            self._pool.shutdown()
+        self._pool = None
+
+    def _ahead(self) -> bool:
+        """Whether a worker can take questions now (a child process only once it has started)."""
+        return self._pool is not None and (not isinstance(self._pool, _ProcessPool) or self._pool.ready)
+
+    def _submit(self, method: str, *args) -> concurrent.futures.Future:
+        if self._ahead():
+            if isinstance(self._pool, _ProcessPool):
+                return self._pool.submit(method, *args)
+            return self._pool.submit(getattr(self.answerer, method), *args)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(getattr(self.answerer, method)(*args))
+        except Exception as exc:  # noqa: BLE001 - re-raised by .result() in the caller
+            future.set_exception(exc)
+        return future
+
+    def _result(self, future: concurrent.futures.Future, method: str, *args) -> Any:
+        try:
+            return future.result()
+        except WorkerLost as exc:
+            self._lose(str(exc))
+            self._pending.clear()
+            return getattr(self.answerer, method)(*args)
+
+    def answers(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str) -> StepAnswers:
+        """The answers for ``ledger`` as it is now (waiting for them if they are not ready), with the next
+        ``lookahead`` step counts of the plan (q, σ, sampler) queued behind them."""
+        plan = (float(sample_rate), float(noise_multiplier), sampler)
+        view = ledger_view(ledger)
+        future = self._pending.pop((view.key, plan), None)
+        if future is None:
+            future = self._submit("answer", view, plan)
+        if not future.done():
+            self.waited += 1
+        result = self._result(future, "answer", view, plan)
+        if self._ahead():  # (a child still starting gets no questions: they are answered here meanwhile)
+            ahead = [view.after(j, *plan) for j in range(1, self.lookahead + 1)]
+            keys = {(v.key, plan) for v in ahead}
+            for stale in [k for k in self._pending if k not in keys]:  # queued for a ledger that did not come
+                self._pending.pop(stale).cancel()
+            for v in ahead:
+                if (v.key, plan) not in self._pending:
+                    self._pending[(v.key, plan)] = self._submit("answer", v, plan)
+        return result
+
+    def epsilon(self, ledger, exact: bool = True, accountant: Optional[str] = None) -> float:
+        """ε of ``ledger`` (exact, or the tracker's bound), computed after the queued answers."""
+        view = ledger_view(ledger)
+        return self._result(self._submit("epsilon", view, exact, accountant), "epsilon", view, exact, accountant)
+
+    def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str) -> float:
+        """Exact ε of ``ledger`` with one more step (q, σ, sampler) charged."""
+        view, plan = ledger_view(ledger), (float(sample_rate), float(noise_multiplier), sampler)
+        return self._result(self._submit("epsilon_after_next_step", view, plan), "epsilon_after_next_step",
+                            view, plan)
+
+    def close(self) -> None:
+        """Drop the queued answers and stop the worker."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        if isinstance(self._pool, _ProcessPool):
+            self._pool.shutdown()
+        elif self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = None
