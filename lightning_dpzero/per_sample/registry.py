@@ -165,4 +165,4 @@ def unsupported_reason(module: nn.Module, owned: bool = False) -> str:
 
 
 # The rule modules register their rules with ``@register_rule`` when imported.
-from . import attention, conv, embedding, hf_conv1d, linear, normalization  # noqa: E402,F401
+from . import attention, conv, embedding, embedding_bag, hf_conv1d, linear, normalization, rnn  # noqa: E402,F401
