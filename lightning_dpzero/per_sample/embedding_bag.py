@@ -101,8 +101,8 @@ class EmbeddingBagRule(LayerRule):
             w = keep.float() / count.clamp_min(1)[bag]
         maxidx = None
         if module.mode == "max":  # the row that attained each coordinate's maximum, as PyTorch's backward uses
-            pad = -1 if module.padding_idx is None else module.padding_idx
-            maxidx = torch.embedding_bag(weight.detach(), flat, offs, False, 2, False, None, last, pad)[3]
+            maxidx = torch.embedding_bag(weight.detach(), flat, offs, False, 2, False, None, last,
+                                         module.padding_idx)[3]
         return gin, Inputs((count > 0, flat, bag, w, maxidx)), g
 
     # ------------------------------------------------------------------ per-example gradients
