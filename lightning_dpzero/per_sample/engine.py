@@ -283,8 +283,9 @@ class PerSampleEngine:
         if b is not None and n == 1 and b != 1 and hook.rule.broadcast_batch:  # (dimension 0 rules only)
             x, n = x.expand(b, *x.shape[1:]), b
         if b is not None and n != b:
-            where = (f"whose first dimension is {n}" if dim == 0 else
-                     f"whose batch dimension ({dim}) is {n}" if dim is not None else f"of {n} examples")
+            where = (f"whose first dimension is {n}" if dim == 0 else f"whose batch dimension ({dim}) is {n}"
+                     if dim is not None else f"of {n} examples (the micro-batch size is read from the batch's "
+                     "first tensor: put one with a row per example, e.g. the labels, before flat indices)")
             raise UnsupportedLayerError(
                 f"{type(hook.module).__name__} '{hook.name}' received an input {where}, but the "
                 f"micro-batch has {b} examples. Per-example clipping needs the batch dimension first in every "
