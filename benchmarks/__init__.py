@@ -1,4 +1,4 @@
-"""Benchmarks of lightning-dpzero: per-layer micro-benchmarks and whole-step times (issues #3, #7).
+"""Benchmarks of lightning-dpzero: per-layer micro-benchmarks and whole-step times.
 
 Entry points::
 

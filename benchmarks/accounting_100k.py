@@ -1,4 +1,4 @@
-"""Per-step cost of privacy accounting over a long run (issue #4).
+"""Per-step cost of privacy accounting over a long run.
 
 Every optimizer step of a DP run charges the ledger and logs ε; with a ``target_epsilon`` it also asks the
 budget guard whether the next step fits. This measures exactly that loop, with nothing else, over 100,000

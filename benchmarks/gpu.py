@@ -33,7 +33,7 @@ from pathlib import Path
 from benchmarks import step_time
 from benchmarks.common import machine_info, write_json
 
-#: run first (the numbers the issue asks for), then the rest while time remains
+#: run first (the headline ratios: DP against non-DP, ours against Opacus), then the rest while time remains
 PRIORITY = ["gpt/1proc/nondp", "gpt/1proc/ours-all", "gpt/1proc/naive", "gpt/zero0/nondp", "gpt/zero0/layer",
             "gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all", "gpt/1proc/opacus-hooks",
             "gpt/1proc/ours-layer", "gpt-lora/zero3/nondp", "gpt-lora/zero3/layer"]

@@ -61,9 +61,10 @@ def instrument_strategy() -> None:
     the accountant callback's per-step ε update, and the loss probe."""
     instrument()
     from lightning_dpzero import callback as cb_mod
+    from lightning_dpzero import mechanism as mech_mod
     from lightning_dpzero import strategy as strat_mod
 
-    original = strat_mod.make_noise_pre_hook
+    original = mech_mod.make_noise_pre_hook
 
     def make_hook(*a, **k):
         hook = original(*a, **k)
@@ -74,9 +75,9 @@ def instrument_strategy() -> None:
 
         return labelled
 
-    strat_mod.make_noise_pre_hook = make_hook
+    mech_mod.make_noise_pre_hook = make_hook
     for owner, meth, label in ((cb_mod.PrivacyAccountantCallback, "on_train_batch_end", "dpzero.accountant.on_train_batch_end"),
-                               (strat_mod.DPDeepSpeedStrategy, "_on_loss_grad", "dpzero.strategy._on_loss_grad"),
+                               (mech_mod.DPMechanism, "_on_loss_grad", "dpzero.mechanism._on_loss_grad"),
                                (strat_mod.DPDeepSpeedStrategy, "optimizer_step", "dpzero.strategy.optimizer_step"),
                                (strat_mod.DPDeepSpeedStrategy, "backward", "dpzero.strategy.backward")):
         fn = owner.__dict__.get(meth)

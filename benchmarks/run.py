@@ -11,7 +11,8 @@ Every flag of ``benchmarks.step_time`` can follow ``--`` (e.g. ``-- --steps 4 --
 Outputs: ``benchmarks/results/per_layer_cpu.json``, ``per_layer_rnn_cpu.json``, ``profile_engine_cpu.json``,
 ``step_time_cpu.json``, ``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
 ``benchmarks/results/step_time_profile_cpu.json`` (a ``step_time --profile`` run) and the hand-written
-``benchmarks/results/analysis.md`` when they exist.
+``benchmarks/results/analysis.md`` when they exist. The page opens with a summary in words, generated from
+the step-time JSON.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 PNG = RESULTS / "step_time_cpu.png"
 
-#: issue #7 targets: (label, how it is read from the results, bound)
+#: the project's performance targets: (label, how it is read from the results, bound)
 TARGET_NOTES = """\
-Targets of issue #7, read from the tables above (all ratios are to a non-DP baseline measured in the
-same run). "floor" is 1 + min(T(d+p), d·p)/(3·d·p) per Linear, FLOP-weighted over the model: the cost of
+The project's performance targets, read from the tables above (all ratios are to a non-DP baseline
+measured in the same run). "floor" is 1 + min(T(d+p), d·p)/(3·d·p) per Linear, FLOP-weighted over the model: the cost of
 a per-example norm pass on top of the layer's forward and backward. It bounds the norm-pass-then-clipped-
 matmul paths (ghost, instantiate); layer-wise clipping can go below it where the engine's cost model picks
 instantiate-and-reuse (per-example gradients formed once, reused for the clipped sum: no second matmul).
@@ -86,7 +87,7 @@ def _get(st: dict, name: str) -> dict:
 
 
 def targets(st: dict) -> str:
-    """The issue #7 targets against what was measured (rows only for what ran). Time ratios are CPU-time
+    """The performance targets against what was measured (rows only for what ran). Time ratios are CPU-time
     ratios (robust to other jobs on a shared machine), with the wall-clock ratio beside them."""
     rows = []
 
@@ -125,6 +126,67 @@ def targets(st: dict) -> str:
                      "verdict"], rows)
 
 
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
+
+
+#: how the summary names the models and clipping methods of ``benchmarks.step_time``
+_MODEL_WORDS = {"gpt": "GPT-style decoder", "gpt-lora": "The same decoder with LoRA adapters", "cnn": "Small CNN"}
+_METHOD_WORDS = {"layer": "layer-wise clipping (the default)", "all": "all-layer clipping",
+                 "group": "group-wise clipping", "layer-auto": "layer-wise clipping, automatic function"}
+_SINGLE_WORDS = {"ours-layer": "lightning-dpzero's engine layer-wise", "ours-all": "lightning-dpzero's engine all-layer",
+                 "opacus-hooks": "Opacus 1.6 hooks", "opacus-ghost": "Opacus 1.6 ghost clipping",
+                 "naive": "a backward per example", "func": "torch.func vmap(grad)"}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def summary(st: dict) -> str:
+    """What DP costs against non-DP, per model and clipping method, in words (from the step-time JSON)."""
+    ok = [r for r in st["results"] if "error" not in r and "cpu_ratio" in r and r["method"] != "nondp"]
+    lines = [
+        "What DP-SGD costs against the same training without DP, measured on "
+        f"{st['machine_before'].get('cpu_count')} CPU cores: the CPU time of one optimizer step and the peak "
+        "memory of a process, each as a ratio to a non-DP run of the same model, ZeRO stage and batch in the "
+        "same run (1.20× = 20% more). Read the GPT's time ratios to about ±0.03 and the CNN's, whose steps are "
+        "short, to about ±0.3 (*Reading the results* below).",
+        "",
+    ]
+    for model in ("gpt", "gpt-lora", "cnn"):
+        rows = [r for r in ok if r["model"] == model and r["kind"] == "lightning"]
+        if not rows:
+            continue
+        fact = st["facts"][model]
+        size = f"{_count(fact['psi'])} parameters" + (f", {_count(fact['psi_trainable'])} trainable"
+                                                     if fact["psi_trainable"] != fact["psi"] else "")
+        lines.append(f"* **{_MODEL_WORDS.get(model, model)}** ({size}), Lightning + DeepSpeed, "
+                     f"{rows[0]['world']} processes:")
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["method"] == method]
+            stages = "/".join(str(r["stage"]) for r in mine)
+            lines.append(f"    * {_METHOD_WORDS.get(method, method)}, ZeRO-{stages}: "
+                         f"{_span([r['cpu_ratio'] for r in mine])} the time, "
+                         f"{_span([r['rss_peak_ratio'] for r in mine])} the peak memory")
+    for model in ("gpt", "cnn"):
+        rows = [r for r in ok if r["model"] == model and r["kind"] == "single"]
+        if rows:
+            lines.append(f"* **{_MODEL_WORDS[model]}, one process** (a plain PyTorch loop, no DeepSpeed), the time "
+                         "against non-DP: " + "; ".join(f"{_SINGLE_WORDS.get(r['method'], r['method'])} "
+                                                        f"{r['cpu_ratio']:.2f}×" for r in rows) + ".")
+    lines += [
+        "",
+        "Layer-wise clipping adds the least memory: each layer clips inside its own backward. All-layer and "
+        "group-wise clipping keep every layer's output gradients until the end of the backward pass. Which "
+        "style is faster depends on the model's layers (compare the rows above). Small models with short "
+        "steps pay relatively more for the fixed work of a DP step (accounting, per-layer book-keeping). These "
+        "are CPU measurements; GPU numbers are not measured yet.",
+    ]
+    return "\n".join(lines)
+
+
 def model_line(a: dict, f: dict) -> str:
     """One sentence describing the benchmarked models."""
     parts = []
@@ -149,6 +211,10 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         "Generated by `benchmarks/run.py` from the JSON in `benchmarks/results/` (do not edit by hand; "
         "re-render with `python -m benchmarks.run --render-only`).",
         "",
+    ]
+    if st:
+        parts += ["## Summary", "", summary(st), ""]
+    parts += [
         "## Reproduce",
         "",
         "```bash",
@@ -156,9 +222,9 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         command,
         "```",
         "",
-        "One GPU (prepared, not yet run: this task had no GPU): `bash benchmarks/gpu.sh` on the GPU machine "
-        "after `bash benchmarks/gpu.sh --prepare-wheels` here (see its header); `bash benchmarks/gpu.sh --smoke` "
-        "runs the same script on the CPU with a tiny model (a few minutes).",
+        "On a GPU (not measured yet): `bash benchmarks/gpu.sh` on the GPU machine after "
+        "`bash benchmarks/gpu.sh --prepare-wheels` on a machine with the repository (see the script's header); "
+        "`bash benchmarks/gpu.sh --smoke` runs the same script on the CPU with a tiny model (a few minutes).",
         "",
         "## Machine",
         "",
@@ -166,12 +232,10 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         f"no GPU. {m.get('platform')}",
         f"* Python {m.get('python')}, torch {m.get('torch')}, Lightning {m.get('lightning')}, "
         f"DeepSpeed {m.get('deepspeed')}, Opacus {m.get('opacus')}",
-        f"* Engine measured: `lightning_dpzero` at commit {m.get('engine_commit') or '?'}"
-        + (" (with uncommitted changes)" if m.get("engine_dirty") else "")
-        + (" (a clean export of that commit: `git archive`, the benchmarks copied in)"
-           if m.get("engine_path", "").startswith("/tmp") else ""),
+        "* lightning-dpzero: the repository's source at the time of the run (the JSON files record its revision)"
+        + (", with uncommitted changes" if m.get("engine_dirty") else ""),
         f"* Load average (1, 5, 15 min) before: {m.get('load_average')}, after: {after.get('load_average')}. "
-        "The machine is shared with other developers' jobs, so wall-clock times are mostly waiting for a "
+        "The machine was shared with other jobs, so wall-clock times are mostly waiting for a "
         "core: the verdicts use CPU time per step (summed over the processes, one torch thread each), which "
         "leaves out the time other jobs held the cores; wall-clock ratios are shown beside them. A "
         "configuration and its baseline run back to back in the same run.",
@@ -207,7 +271,7 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             f"![step time over non-DP](../benchmarks/results/{PNG.name})",
             "",
             step_time.render(st),
-            "## Where we stand against issue #7",
+            "## Performance targets",
             "",
             TARGET_NOTES,
             "",

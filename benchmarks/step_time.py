@@ -1,4 +1,4 @@
-"""Whole-step time and memory of DP training against non-DP, one process launch per configuration (issue #7).
+"""Whole-step time and memory of DP training against non-DP, one process launch per configuration.
 
 Two groups of configurations per model (the GPT-style decoder and the small CNN of ``benchmarks.models``):
 

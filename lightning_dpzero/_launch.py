@@ -1,8 +1,10 @@
-"""What ``DPDeepSpeedStrategy`` changes in how Lightning starts DeepSpeed: the CPU (DESIGN §4 item 5) and
-the ranks given by DeepSpeed's own launcher.
+"""What ``DPDeepSpeedStrategy`` changes in how Lightning starts DeepSpeed: the CPU (gloo) and the ranks given by
+DeepSpeed's own launcher (docs/design.md, *Layout*).
 
 Lightning's ``DeepSpeedStrategy`` refuses a CPU accelerator and passes ``device_rank=None`` to
-``deepspeed.initialize`` there; DeepSpeed itself runs on the CPU with gloo. Three small overrides suffice.
+``deepspeed.initialize`` there; DeepSpeed itself runs on the CPU with gloo. Five overrides: the environment and
+the process group on the CPU, the global rank under DeepSpeed's launcher, and a CPU device index for the two
+``deepspeed.initialize`` calls (training, and validate/test/predict).
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import os
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from typing_extensions import override
 
 
 class DeepSpeedLaunchMixin:
     """Mixed into a ``DeepSpeedStrategy`` subclass (before it in the bases)."""
 
+    @override
     def setup_environment(self) -> None:
         if isinstance(self.accelerator, CUDAAccelerator):
             return super().setup_environment()
         DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check: CPU + gloo works
 
+    @override
     def setup_distributed(self) -> None:
         if isinstance(self.accelerator, CUDAAccelerator):
             return super().setup_distributed()
@@ -31,6 +36,7 @@ class DeepSpeedLaunchMixin:
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    @override
     def set_world_ranks(self) -> None:
         # DeepSpeed's own launcher (``deepspeed --hostfile``) names a process's node CROSS_RANK; Lightning reads
         # only NODE_RANK / GROUP_RANK and would put every node's first process at global rank 0 (a hang).
@@ -61,10 +67,12 @@ class DeepSpeedLaunchMixin:
         finally:
             self.parallel_devices = saved
 
+    @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         with self._cpu_device_indices():
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
 
+    @override
     def _initialize_deepspeed_inference(self, model) -> None:  # trainer.validate / test / predict
         with self._cpu_device_indices():
             return super()._initialize_deepspeed_inference(model)

@@ -17,9 +17,11 @@ much (up to the 1 - β confidence). A lower bound far below the accountant's ε 
 DP-SGD from the last model only is known to be loose); a lower bound *above* it means a bug in the noise, the
 clipping, the sampling or the accounting.
 
-:func:`audit_one_run` trains a small model in plain PyTorch with the package's own pieces (the
-:class:`~lightning_dpzero.PerSampleEngine` for per-example clipping, Gaussian noise on the summed clipped
-gradients divided by the expected batch q·N, Poisson sampling, the privacy ledger for ε), so it runs on a CPU in
+:func:`audit_one_run` trains a small model in plain PyTorch with the package's own mechanism (the
+:class:`~lightning_dpzero.mechanism.DPMechanism` that the strategy drives: the
+:class:`~lightning_dpzero.PerSampleEngine` for per-example clipping, the noise hook on the optimizer adding
+Gaussian noise to the summed clipped gradients and dividing by the expected batch q·N, the
+:class:`~lightning_dpzero.DistributedPoissonBatchSampler`, the privacy ledger for ε), so it runs on a CPU in
 seconds. :func:`dirac_canaries` builds canaries that make the audit strong for a linear first layer.
 """
 
@@ -28,14 +30,17 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from .accounting import PrivacyLedger
+from ._options import Clipping, check_option
+from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
+from .privacy_plan import PrivacyPlan
+from .sampling import DistributedPoissonBatchSampler
 
 __all__ = ["AuditResult", "audit_one_run", "dirac_canaries", "epsilon_lower_bound", "p_value"]
 
@@ -123,6 +128,17 @@ class AuditResult:
         canaries, guesses, correct: m, r = k+ + k-, and v.
         steps, sample_rate, noise_multiplier: the run.
         included: which canaries were in the training set; scores: their scores.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> g = torch.Generator().manual_seed(0)
+        >>> m = 20  # canaries, each on its own input coordinate of a bias-free linear layer
+        >>> x, y = nn.functional.pad(torch.randn(100, 4, generator=g), (0, m)), torch.randint(0, 2, (100,), generator=g)
+        >>> result = audit_one_run(nn.Linear(4 + m, 2, bias=False), (x, y), dirac_canaries(m, 4, 2, generator=g),
+        ...                        steps=5, sample_rate=0.5, noise_multiplier=1.0, generator=g)
+        >>> result.guesses, result.steps, result.consistent
+        (2, 5, True)
     """
 
     epsilon_lower_bound: float
@@ -156,8 +172,6 @@ def _scores(kind, initial, final, cx, cy, loss_fn):
     if kind == "loss":
         with torch.no_grad():
             return _per_example_loss(loss_fn, initial, cx, cy) - _per_example_loss(loss_fn, final, cx, cy)
-    if kind != "alignment":
-        raise ValueError(f"score={kind!r}; use 'alignment' or 'loss'.")
     names = [n for n, p in initial.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in initial.named_parameters() if p.requires_grad}
     moved = {n: dict(final.named_parameters())[n].detach() - params[n] for n in names}
@@ -175,8 +189,8 @@ def _scores(kind, initial, final, cx, cy, loss_fn):
 def audit_one_run(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor],
                   canaries: tuple[torch.Tensor, torch.Tensor], *, steps: int, sample_rate: float,
                   noise_multiplier: float, max_grad_norm: float = 1.0, lr: float = 1.0, delta: float = 1e-5,
-                  guesses: Optional[tuple[int, int]] = None, confidence: float = 0.95, score: str = "alignment",
-                  clipping: str = "all-layer",
+                  guesses: Optional[tuple[int, int]] = None, confidence: float = 0.95,
+                  score: Literal["alignment", "loss"] = "alignment", clipping: Clipping = "all-layer",
                   loss_fn: Callable = nn.functional.cross_entropy,
                   generator: Optional[torch.Generator] = None) -> AuditResult:
     """Train ``model`` once with DP-SGD on ``data`` plus a random half of ``canaries``; audit ε empirically.
@@ -204,6 +218,7 @@ def audit_one_run(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor],
     Returns:
         AuditResult: the empirical lower bound next to the accountant's ε.
     """
+    check_option("score", score, Literal["alignment", "loss"])
     x, y = data
     cx, cy = canaries
     m = len(cx)
@@ -212,45 +227,50 @@ def audit_one_run(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor],
     k_plus, k_minus = guesses if guesses is not None else (max(1, m // 20), max(1, m // 20))
     if not (0 <= k_plus and 0 <= k_minus and 0 < k_plus + k_minus <= m):
         raise ValueError(f"guesses={guesses!r}: need k+, k- >= 0 with 0 < k+ + k- <= m = {m}.")
-    if not 0 < sample_rate <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}.")
-    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"noise_multiplier must be >= 0 and finite, got {noise_multiplier!r}.")
     gen = generator if generator is not None else torch.Generator().manual_seed(int(torch.randint(2**62, (1,))))
 
     included = torch.rand(m, generator=gen) < 0.5
     train_x = torch.cat([x, cx[included]])
     train_y = torch.cat([y, cy[included]])
     n_total = len(train_x)
-    b_exp = sample_rate * (len(x) + m / 2)  # data-independent divisor
+    seed = int(torch.randint(2**62, (1,), generator=gen))  # the noise's and the sampler's streams
+    mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed)  # refuses a bad σ
+    sampler = DistributedPoissonBatchSampler(n_total, sample_rate, steps_per_epoch=steps, seed=seed)  # a bad q
     initial = copy.deepcopy(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine = PerSampleEngine(model, max_grad_norm=max_grad_norm, clipping=clipping).attach()
-    ledger = PrivacyLedger(delta=delta, dataset_size=n_total)
+    mechanism.attach(PerSampleEngine(model, max_grad_norm=max_grad_norm, clipping=clipping).attach())
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    mechanism.install_noise(optimizer, replicated=True)
+    # the divisor q·(N + m/2) is fixed before the canaries are drawn (data-independent)
+    mechanism.use_plan(PrivacyPlan(dataset_size=n_total, sample_rate=sample_rate,
+                                   expected_batch_size=sample_rate * (len(x) + m / 2),
+                                   noise_multiplier=float(noise_multiplier), delta=delta, planned_steps=steps,
+                                   sampler_kind="poisson"))
+
+    def step(charged_closure):
+        charged_closure()  # clipped per-example gradients, then the ledger charge: before the update
+        optimizer.step()   # the noise hook first: (Σ clip(g_i) + σ·C·z) / B_exp, then SGD
+
     model.train()
     try:
-        for _ in range(steps):
-            ledger.charge(sample_rate, noise_multiplier)  # before the update, as the strategy does
-            idx = torch.nonzero(torch.rand(n_total, generator=gen) < sample_rate).flatten()
-            for p in params:
-                p.grad = None
-            if len(idx):
-                with engine.micro_batch(batch_size=len(idx)):
-                    loss_fn(model(train_x[idx]), train_y[idx]).backward()
-            with torch.no_grad():
-                for p in params:
-                    g = p.grad if p.grad is not None else torch.zeros_like(p)
-                    noise = torch.randn(p.shape, generator=gen, dtype=g.dtype) * (noise_multiplier * max_grad_norm)
-                    p -= lr * (g + noise) / b_exp
+        for t, idx in enumerate(sampler, 1):
+            optimizer.zero_grad(set_to_none=True)
+
+            def closure(idx=idx, t=t):
+                if idx:  # an empty Poisson batch releases the noise alone
+                    loss = mechanism.training_step(lambda: loss_fn(model(train_x[idx]), train_y[idx]), len(idx),
+                                                   step=t)
+                    mechanism.probe_loss(loss).backward()
+
+            mechanism.optimizer_step(step, closure, boundary=True, step_applied=lambda: True)
     finally:
-        engine.detach()
+        mechanism.detach()
     scores = _scores(score, initial, model, cx, cy, loss_fn).detach()
 
     order = torch.argsort(scores, descending=True)
     guessed_in, guessed_out = order[:k_plus], order[len(order) - k_minus:] if k_minus else order[:0]
     correct = int(included[guessed_in].sum()) + int((~included[guessed_out]).sum())
     r = k_plus + k_minus
-    eps = ledger.epsilon() if noise_multiplier > 0 else math.inf
+    eps = mechanism.ledger.epsilon() if noise_multiplier > 0 else math.inf
     return AuditResult(epsilon_lower_bound=epsilon_lower_bound(m, r, correct, delta, confidence), epsilon=eps,
                        delta=delta, confidence=confidence, canaries=m, guesses=r, correct=correct, steps=steps,
                        sample_rate=sample_rate, noise_multiplier=noise_multiplier, included=included,

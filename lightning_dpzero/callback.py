@@ -1,5 +1,10 @@
 """``PrivacyAccountantCallback``: calibrates σ from a target ε, logs the spend, keeps the ledger and stops
-training before the budget would be exceeded (DESIGN §5)."""
+training before the budget would be exceeded (docs/design.md, *Accounting and the ledger*).
+
+It talks to the strategy's :class:`~lightning_dpzero.mechanism.DPMechanism` only: it hands over its
+:class:`~lightning_dpzero.privacy_plan.AccountingSettings` (``use_accounting``), reads ``plan`` and ``ledger``,
+takes the clipping statistics (``take_stats``) and hands a ledger from its own state back (``restore_ledger``).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,16 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
+from ._options import Accountant, OnBudgetExhausted, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
+from .checkpoints.format import CALLBACK_STATE_KEY
+from .mechanism import DPMechanism
+from .metrics import ClipFraction, MeanGradNorm
+from .privacy_plan import DEFAULT_DELTA, AccountingSettings
 
 __all__ = ["PrivacyAccountantCallback", "PrivacyBudgetExceeded"]
-
-_ON_EXHAUSTED = ("stop", "raise")
 
 
 class PrivacyAccountantCallback(Callback):
@@ -39,7 +48,8 @@ class PrivacyAccountantCallback(Callback):
 
     After every optimizer step it logs ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and
     ``dp_steps`` (plus ``clip_fraction`` and ``mean_grad_norm`` over all ranks' examples of that step) with
-    ``self.log``, so any Lightning logger records them. Every rank computes and logs the same values (no
+    ``self.log``, so any Lightning logger records them; ε, δ, σ, q and the step count as float64, so a logger
+    shows δ = 1e-05, not its float32 neighbour. Every rank computes and logs the same values (no
     ``sync_dist``, so no collective per metric; every rank's ``trainer.callback_metrics`` agree, so a
     ``ModelCheckpoint``/``EarlyStopping`` monitoring ``epsilon`` decides alike everywhere). The logged ε is the
     tracker's upper bound (at most ~2% above the exact value); :meth:`epsilon` gives the exact one. ε is
@@ -47,48 +57,66 @@ class PrivacyAccountantCallback(Callback):
     Its state (saved in every checkpoint) is the ledger.
 
     Raises:
-        TypeError: the trainer's strategy is not a DPDeepSpeedStrategy.
-        ValueError: bad target_epsilon / delta / accountant / on_budget_exhausted.
+        TypeError: the trainer's strategy is not a DP strategy (one with a ``mechanism``, a DPMechanism).
+        ValueError: bad target_epsilon / delta / accountant / on_budget_exhausted, when constructed.
         PrivacyBudgetExceeded: ``on_budget_exhausted="raise"`` and the next step would exceed the budget.
+
+    Example:
+        >>> accountant = PrivacyAccountantCallback(target_epsilon=8.0, delta=1e-5)
+        >>> accountant.settings
+        AccountingSettings(target_epsilon=8.0, delta=1e-05, accountant='pld')
+        >>> accountant.epsilon()  # nothing spent before the first step
+        0.0
+        >>> PrivacyAccountantCallback(on_budget_exhausted="warn")
+        Traceback (most recent call last):
+        ...
+        ValueError: on_budget_exhausted='warn' is not supported; use one of ('stop', 'raise')...
     """
 
-    def __init__(self, target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld",
-                 on_budget_exhausted: str = "stop", log_second_accountant: bool = False):
-        if target_epsilon is not None and not (target_epsilon > 0 and math.isfinite(target_epsilon)):
-            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta!r}; typical is 1e-5 or below 1/N.")
-        if accountant not in ("pld", "rdp"):
-            raise ValueError(f"accountant={accountant!r}; use 'pld' or 'rdp'.")
-        if on_budget_exhausted not in _ON_EXHAUSTED:
-            raise ValueError(f"on_budget_exhausted={on_budget_exhausted!r}; use 'stop' (end training after the "
-                             "last step within the budget) or 'raise' (raise PrivacyBudgetExceeded).")
-        self.target_epsilon, self.delta, self.accountant = target_epsilon, delta, accountant
-        self.on_budget_exhausted = on_budget_exhausted
+    def __init__(self, target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA,
+                 accountant: Accountant = "pld", on_budget_exhausted: OnBudgetExhausted = "stop",
+                 log_second_accountant: bool = False):
+        self.settings = AccountingSettings(target_epsilon, delta, accountant)
+        self.on_budget_exhausted = check_option(
+            "on_budget_exhausted", on_budget_exhausted, OnBudgetExhausted,
+            "'stop' ends training after the last step within the budget, 'raise' raises PrivacyBudgetExceeded.")
         self.log_second_accountant = bool(log_second_accountant)
         self._tracker = EpsilonTracker()
         self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
+        # the step's clipping statistics over all ranks: the sums come from the one all-reduce in _decide
+        self._clip_fraction = ClipFraction(sync_on_compute=False)
+        self._mean_grad_norm = MeanGradNorm(sync_on_compute=False)
         self._logged_steps = -1
-        self._strategy = None
+        self._mechanism: Optional[DPMechanism] = None
         self._next_step_allowed = True   # agreed by all ranks at the last accumulation boundary
         self.budget_exhausted = False    # True once the budget stopped (or refused) a step
 
+    target_epsilon = property(lambda self: self.settings.target_epsilon, doc="The ε budget (None: none).")
+    delta = property(lambda self: self.settings.delta, doc="δ of the (ε, δ) guarantee.")
+    accountant = property(lambda self: self.settings.accountant, doc='"pld" or "rdp".')
+
     @property
+    @override
     def state_key(self) -> str:
-        return "PrivacyAccountantCallback"
+        return CALLBACK_STATE_KEY
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from .strategy import DPDeepSpeedStrategy
-
-        if not isinstance(trainer.strategy, DPDeepSpeedStrategy):
+        mechanism = getattr(trainer.strategy, "mechanism", None)
+        if not isinstance(mechanism, DPMechanism):
             raise TypeError(f"PrivacyAccountantCallback needs a DP strategy (e.g. strategy='dp_deepspeed_stage_3'), "
                             f"got {type(trainer.strategy).__name__}.")
-        self._strategy = trainer.strategy
-        trainer.strategy.accountant_callback = self
+        self._mechanism = mechanism
+        mechanism.use_accounting(self.settings)
 
     @property
     def ledger(self) -> Optional[PrivacyLedger]:
-        return self._strategy.ledger if self._strategy is not None else None
+        """The run's privacy ledger (None before the plan is fixed)."""
+        return self._mechanism.ledger if self._mechanism is not None else None
+
+    @property
+    def _plan(self):
+        return self._mechanism.plan if self._mechanism is not None else None
 
     def epsilon(self, exact: bool = True, accountant: Optional[str] = None) -> float:
         """ε spent so far at this callback's δ (0.0 before the first step, ``inf`` if σ = 0 was used), by
@@ -105,13 +133,13 @@ class PrivacyAccountantCallback(Callback):
     # ---------------------------------------------------------------------------------------------- budget
     def _budget_allows_next_step(self) -> bool:
         """This rank's answer: does the ledger stay within target_epsilon after the plan's next step?"""
-        ledger, plan = self.ledger, self._strategy.plan if self._strategy is not None else None
+        ledger, plan = self.ledger, self._plan
         if self._guard is None or ledger is None or plan is None:
             return True
         return self._guard.allows_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
 
     def _exhausted_message(self, trainer) -> str:
-        ledger, plan = self.ledger, self._strategy.plan
+        ledger, plan = self.ledger, self._plan
         after = self._guard.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier,
                                                     plan.sampler_kind)
         planned = f" of the planned {plan.planned_steps}" if plan.planned_steps else ""
@@ -152,10 +180,12 @@ class PrivacyAccountantCallback(Callback):
             trainer.should_stop = True
         return local
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._logged_steps = self.ledger.steps if self.ledger is not None else -1
         self._decide(trainer)
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._next_step_allowed:
             return
@@ -170,15 +200,13 @@ class PrivacyAccountantCallback(Callback):
         raise PrivacyBudgetExceeded(message)
 
     # ---------------------------------------------------------------------------------------------- logging
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        ledger, strategy = self.ledger, self._strategy
+        ledger, plan = self.ledger, self._plan
         if trainer.sanity_checking or ledger is None or ledger.steps == self._logged_steps:
             return
         self._logged_steps = ledger.steps
-        plan = strategy.plan
-        stats = strategy.per_sample.stats
-        local = [float(stats["examples"]), float(stats["clipped"]), float(stats["norm_sum"])]
-        strategy.per_sample.reset_stats()
+        stats = self._mechanism.take_stats()
         # ε (the tracker's bound; with a budget, never above the target while within it) is computed on rank 0
         # only and reaches the other ranks through the statistics' all-reduce (0 elsewhere: the sum is rank 0's)
         eps = [0.0] * (1 + bool(self.log_second_accountant))
@@ -186,23 +214,24 @@ class PrivacyAccountantCallback(Callback):
             eps[0] = self._guard.epsilon_upper_bound(ledger) if self._guard is not None else self.epsilon(exact=False)
             if self.log_second_accountant:
                 eps[1] = self.epsilon(exact=False, accountant=self.second_accountant)
+        local = [float(stats.examples), float(stats.clipped), stats.norm_sum]
         examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps)
-        metrics = {
-            "epsilon": eps[0],
-            "delta": self.delta,
-            "noise_multiplier": plan.noise_multiplier,
-            "sample_rate": plan.sample_rate,
-            "dp_steps": float(ledger.steps),
-        }
+        metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
+                   "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
         if self.log_second_accountant:
             metrics[f"epsilon_{self.second_accountant}"] = eps[1]
-        if examples:
-            metrics["clip_fraction"] = clipped / examples
-            metrics["mean_grad_norm"] = norm_sum / examples
+        # float64 tensors: Lightning keeps their dtype (a Python float would be stored as float32)
+        metrics = {k: torch.tensor(v, dtype=torch.float64, device=pl_module.device) for k, v in metrics.items()}
+        if examples:  # the sums over every rank's examples of the step
+            metrics["clip_fraction"] = _step_value(self._clip_fraction, clipped, examples)
+            # an fp16 overflow (a step DeepSpeed skips) can make a norm inf or NaN: logged as it is
+            metrics["mean_grad_norm"] = (_step_value(self._mean_grad_norm, norm_sum, examples)
+                                         if math.isfinite(norm_sum) else norm_sum)
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "epsilon",
                           batch_size=1, sync_dist=False, rank_zero_only=False)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if self.budget_exhausted and self.on_budget_exhausted == "stop":
             rank_zero_info(f"Training stopped by the privacy budget after {self.ledger.steps} optimizer steps: "
@@ -210,17 +239,23 @@ class PrivacyAccountantCallback(Callback):
                            f"(δ = {self.delta:g}).")
 
     # ---------------------------------------------------------------------------------------------- state
+    @override
     def state_dict(self) -> dict[str, Any]:
         ledger = self.ledger
         return {"ledger": ledger.to_dict() if ledger is not None else None, "delta": self.delta,
                 "target_epsilon": self.target_epsilon, "accountant": self.accountant}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("ledger")
-        if saved is None or self._strategy is None:
+        if saved is None or self._mechanism is None:
             return
-        ledger = PrivacyLedger.from_dict(saved)
-        restored = self._strategy._restored_ledger
-        if restored is not None and restored != ledger:
-            raise ValueError("The callback's ledger and the checkpoint's ledger disagree; refusing to resume.")
-        self._strategy._restored_ledger = ledger
+        self._mechanism.restore_ledger(PrivacyLedger.from_dict(saved))
+
+
+def _step_value(metric, total: float, examples: float) -> float:
+    """``metric`` over one step from sums already reduced over the ranks (its own sync is off)."""
+    metric.update(total, examples=round(examples))
+    value = float(metric.compute())
+    metric.reset()
+    return value

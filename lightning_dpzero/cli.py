@@ -18,15 +18,12 @@ import math
 import os
 import pickle
 import sys
-import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .accounting import LedgerEntry, LedgerIntegrityError, PrivacyLedger, compute_epsilon
-from .accounting.export import client_state_ledgers
-from .strategy import LEDGER_FILE  # JSON beside the ZeRO shards
-
-_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+from .checkpoints.format import LEDGER_FILE
+from .checkpoints.reader import CheckpointReadError, client_state_ledgers, model_states_file, same_ledger
 
 
 class CLIError(Exception):
@@ -57,21 +54,6 @@ def _load(json_path: Path) -> PrivacyLedger:
         raise CLIError(f"cannot read {json_path}: {exc}") from exc
 
 
-def _model_states_file(ckpt_dir: Path) -> Optional[Path]:
-    """Rank 0's DeepSpeed model-states file (ZeRO 0-2 or ZeRO-3 name) under the checkpoint's tag."""
-    tags = []
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        tags.append(latest.read_text().strip())
-    tags.append("checkpoint")  # the tag Lightning's DeepSpeedStrategy saves under
-    for tag in tags:
-        for name in _MODEL_STATES:
-            f = ckpt_dir / tag / name
-            if f.is_file():
-                return f
-    return None
-
-
 def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, PrivacyLedger], str]:
     """The ledgers stored in the checkpoint's DeepSpeed client state, by where they were found, and a note.
 
@@ -80,42 +62,16 @@ def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, Privac
     other Python objects into the checkpoint) *and* the user passed ``--trust-checkpoint`` does it fall back
     to ``weights_only=False``, which can run arbitrary code from the file: for trusted local files only.
     """
-    import torch
-
-    f = _model_states_file(ckpt_dir)
-    if f is None:
-        return {}, "client state: not compared (no DeepSpeed model-states file found)"
-    def load(weights_only):
-        try:
-            return torch.load(f, map_location="cpu", weights_only=weights_only, mmap=True)
-        except RuntimeError as exc:  # mmap needs the zipfile format; an older file is read whole
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(f, map_location="cpu", weights_only=weights_only)
-
-    if not zipfile.is_zipfile(f):
-        raise CLIError(f"cannot read the checkpoint's client state {f}: not a torch.save (zip) file.")
     try:
-        try:
-            state = load(weights_only=True)
-        except pickle.UnpicklingError as exc:
-            if not trust:
-                why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
-                return {}, (f"client state: not compared ({f.name} needs full unpickling, which can run code "
-                            f"from the file; pass --trust-checkpoint for a checkpoint you trust). {why}")
-            # Explicitly trusted by the user: the file holds objects that weights_only=True refuses.
-            state = load(weights_only=False)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-        raise CLIError(f"cannot read the checkpoint's client state {f}: {exc}") from exc
-    if not isinstance(state, dict):
-        return {}, f"client state: {f.name} is not a dict"
-    try:
-        found = client_state_ledgers(state, f.name)
+        return client_state_ledgers(ckpt_dir, trust=trust)
+    except pickle.UnpicklingError as exc:
+        why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
+        return {}, (f"client state: not compared ({model_states_file(ckpt_dir).name} needs full unpickling, which "
+                    f"can run code from the file; pass --trust-checkpoint for a checkpoint you trust). {why}")
+    except CheckpointReadError as exc:
+        raise CLIError(str(exc)) from exc
     except LedgerIntegrityError as exc:
-        raise CLIError(f"TAMPERED or corrupt ledger in the client state of {f}: {exc}") from exc
-    if not found:
-        return {}, f"client state: {f.name} holds no privacy ledger"
-    return found, ""
+        raise CLIError(f"TAMPERED or corrupt ledger in the client state of {ckpt_dir}: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -176,7 +132,7 @@ def cmd_verify(args) -> int:
     if ckpt_dir is not None:
         copies, note = _client_state_ledgers(ckpt_dir, args.trust_checkpoint)
         for where, other in copies.items():
-            if other != ledger or other.head != ledger.head:
+            if not same_ledger(other, ledger):
                 raise CLIError(f"MISMATCH: {json_path} (run {ledger.run_id}, {ledger.steps} steps) and the ledger "
                                f"in {where} (run {other.run_id}, {other.steps} steps) disagree; the checkpoint was "
                                "edited or mixed with another run.")

@@ -24,11 +24,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torchmetrics import Metric
+from typing_extensions import override
+
+from .checkpoints.format import LEDGER_FILE
+from .mechanism import DPMechanism
 
 Number = Union[int, float, torch.Tensor]
 
 LEDGER_ARTIFACT_TYPE = "privacy-ledger"
-LEDGER_FILE_NAME = "privacy_ledger.json"
 
 
 def _scalar(value: Number, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,6 +64,14 @@ class ClipFraction(Metric):
 
     Args:
         max_grad_norm: C; needed only for ``update(norms)``. ``inf``: nothing counts as clipped.
+
+    Example:
+        >>> import torch
+        >>> metric = ClipFraction(max_grad_norm=1.0)
+        >>> metric.update(torch.tensor([0.5, 2.0, 3.0]))  # micro-batch 1: 2 of 3 examples clipped
+        >>> metric.update(0, examples=7)                   # micro-batch 2, as counts: none of 7
+        >>> metric.compute()
+        tensor(0.2000)
     """
 
     full_state_update = False
@@ -107,6 +118,14 @@ class MeanGradNorm(Metric):
 
     ``compute()`` returns ``Σ norms / Σ examples`` (float64 sums; a collective under ``torch.distributed``);
     NaN when there was no example.
+
+    Example:
+        >>> import torch
+        >>> metric = MeanGradNorm()
+        >>> metric.update(torch.tensor([1.0, 3.0]))
+        >>> metric.update(12.0, examples=4)  # a sum of 4 norms, e.g. from the engine's statistics
+        >>> metric.compute()
+        tensor(2.6667)
     """
 
     full_state_update = False
@@ -138,40 +157,37 @@ class MeanGradNorm(Metric):
 
 
 # ---------------------------------------------------------------------------------------------- settings
-def _find_accountant(trainer) -> Any:
-    from .callback import PrivacyAccountantCallback
-
-    return next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyAccountantCallback)), None)
+def _mechanism(strategy, who: str) -> DPMechanism:
+    mechanism = getattr(strategy, "mechanism", None)
+    if not isinstance(mechanism, DPMechanism):
+        raise TypeError(f"{who} needs a DP strategy (a DPDeepSpeedStrategy), got {type(strategy).__name__}")
+    return mechanism
 
 
 def dp_hyperparameters(trainer) -> dict[str, Any]:
     """The DP settings of ``trainer``'s run (its strategy must be a :class:`DPDeepSpeedStrategy`).
 
-    Call it once the privacy plan is fixed (from ``on_train_start`` on); before that σ, q and N are None.
+    Call it once the privacy plan is fixed (from ``on_train_start`` on); before that σ, q and N are None, and
+    δ, the target ε and the accountant are those the accountant callback handed over at setup.
     Values are plain Python numbers and strings, so any logger can store them.
     """
-    from .strategy import DPDeepSpeedStrategy
-
     strategy = trainer.strategy
-    if not isinstance(strategy, DPDeepSpeedStrategy):
-        raise TypeError(f"dp_hyperparameters needs a DPDeepSpeedStrategy, got {type(strategy).__name__}")
-    plan = strategy.plan
-    accountant = _find_accountant(trainer)
-    ledger = strategy.ledger
+    mechanism = _mechanism(strategy, "dp_hyperparameters")
+    plan, accounting, ledger = mechanism.plan, mechanism.accounting, mechanism.ledger
     out: dict[str, Any] = {
-        "noise_multiplier": plan.noise_multiplier if plan else strategy.noise_multiplier,
+        "noise_multiplier": mechanism.noise_multiplier,
         "sample_rate": plan.sample_rate if plan else None,
         "expected_batch_size": plan.expected_batch_size if plan else None,
         "dataset_size": plan.dataset_size if plan else None,
         "planned_steps": plan.planned_steps if plan else None,
-        "delta": plan.delta if plan else (accountant.delta if accountant else None),
-        "target_epsilon": plan.target_epsilon if plan else (accountant.target_epsilon if accountant else None),
-        "accountant": plan.accountant if plan else (accountant.accountant if accountant else None),
-        "sampler": plan.sampler_kind if plan else ("poisson" if strategy.poisson_sampling else "shuffle"),
-        "max_grad_norm": strategy.max_grad_norm,
+        "delta": plan.delta if plan else accounting.delta,
+        "target_epsilon": plan.target_epsilon if plan else accounting.target_epsilon,
+        "accountant": plan.accountant if plan else accounting.accountant,
+        "sampler": plan.sampler_kind if plan else ("poisson" if mechanism.poisson_sampling else "shuffle"),
+        "max_grad_norm": mechanism.max_grad_norm,
         "clipping": strategy.clipping,
         "clipping_fn": strategy.clipping_fn,
-        "secure_mode": strategy.secure_mode,
+        "secure_mode": mechanism.secure_mode,
         "zero_stage": strategy.zero_stage,
         "world_size": trainer.world_size,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
@@ -209,6 +225,15 @@ class PrivacyRunLogger(Callback):
     Args:
         key: name under which the settings are logged (``None``: top level, unprefixed).
         artifact_name: W&B artifact name; default ``privacy-ledger-<wandb run id>``.
+
+    Raises:
+        TypeError: the trainer's strategy is not a DP strategy.
+
+    Example:
+        >>> from lightning_dpzero import PrivacyAccountantCallback
+        >>> callbacks = [PrivacyAccountantCallback(target_epsilon=8.0), PrivacyRunLogger(key="dp")]
+        >>> callbacks[1].logged_hparams is None  # filled when training starts
+        True
     """
 
     def __init__(self, key: Optional[str] = "dp", artifact_name: Optional[str] = None) -> None:
@@ -216,17 +241,16 @@ class PrivacyRunLogger(Callback):
         self.logged_hparams: Optional[dict[str, Any]] = None
         self.ledger_paths: list[Path] = []
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
-        from .strategy import DPDeepSpeedStrategy
-
-        if not isinstance(trainer.strategy, DPDeepSpeedStrategy):
-            raise TypeError(f"PrivacyRunLogger needs a DP strategy, got {type(trainer.strategy).__name__}")
+        _mechanism(trainer.strategy, "PrivacyRunLogger")
         params = dp_hyperparameters(trainer)
         self.logged_hparams = params
         payload = {self.key: params} if self.key else params
         for logger in trainer.loggers:
             logger.log_hyperparams(payload)
 
+    @override
     def on_fit_end(self, trainer, pl_module) -> None:
         ledger = getattr(trainer.strategy, "ledger", None)
         if ledger is None:
@@ -235,19 +259,19 @@ class PrivacyRunLogger(Callback):
 
     @rank_zero_only
     def _attach(self, trainer, ledger) -> None:
-        accountant = _find_accountant(trainer)
+        plan = trainer.strategy.plan
         epsilon = ledger.epsilon()
         meta = {"epsilon": None if math.isinf(epsilon) else epsilon, "delta": ledger.delta, "steps": ledger.steps,
                 "dataset_size": ledger.dataset_size, "accountant": ledger.accountant, "run_id": ledger.run_id,
                 "hash_head": ledger.head,
-                "target_epsilon": accountant.target_epsilon if accountant is not None else None}
+                "target_epsilon": plan.target_epsilon if plan is not None else None}
         for logger in trainer.loggers:
             if _is_wandb_logger(logger):
                 self._to_wandb(logger, ledger, meta)
                 continue
             log_dir = getattr(logger, "log_dir", None)
             if log_dir:
-                path = Path(log_dir) / LEDGER_FILE_NAME
+                path = Path(log_dir) / LEDGER_FILE
                 path.parent.mkdir(parents=True, exist_ok=True)
                 ledger.save(path)
                 self.ledger_paths.append(path)
@@ -257,13 +281,13 @@ class PrivacyRunLogger(Callback):
 
         run = logger.experiment
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / LEDGER_FILE_NAME
+            path = Path(tmp) / LEDGER_FILE
             ledger.save(path)
             artifact = wandb.Artifact(self.artifact_name or f"privacy-ledger-{run.id}", type=LEDGER_ARTIFACT_TYPE,
                                       description="DP-SGD privacy ledger (lightning-dpzero): runs of (q, sigma, "
                                                   "steps) with a hash chain; epsilon is recomputed from it.",
                                       metadata=meta)
-            artifact.add_file(str(path), name=LEDGER_FILE_NAME)
+            artifact.add_file(str(path), name=LEDGER_FILE)
             run.log_artifact(artifact)  # add_file copied the file into the artifact's staging area
         run.summary["final_epsilon"] = meta["epsilon"]
         run.summary["final_dp_steps"] = meta["steps"]

@@ -1,4 +1,4 @@
-"""Gaussian noise on the optimizer's own partition (DESIGN §4 "step", invariant I3).
+"""Gaussian noise on the optimizer's own partition (docs/design.md, *Where each piece runs*: step; I3).
 
 DeepSpeed hands the *base* optimizer this rank's fp32 partition of the reduced gradient. A step pre-hook
 on that optimizer turns it into the released DP gradient, in place::
@@ -48,6 +48,14 @@ class NoiseSource:
         secure_mode: draw from the OS CSPRNG instead of a seeded PRNG.
         replicated: every rank holds the full gradient (ZeRO stage 0).
         rank: this process's data-parallel rank.
+
+    Example:
+        >>> import torch
+        >>> a = NoiseSource(seed=7, secure_mode=False, replicated=False, rank=0).normal((3,), "cpu")
+        >>> b = NoiseSource(seed=7, secure_mode=False, replicated=False, rank=1).normal((3,), "cpu")
+        >>> c = NoiseSource(seed=7, secure_mode=False, replicated=True, rank=1).normal((3,), "cpu")
+        >>> torch.equal(a, b), torch.equal(a, c)  # partitions: a stream per rank; stage 0: one shared stream
+        (False, True)
     """
 
     def __init__(self, seed: int, secure_mode: bool, replicated: bool, rank: int):

@@ -97,6 +97,14 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
 
     Raises:
         ValueError: num_samples < 1, q not in (0, 1], rank not in [0, W), K < 1 or steps_per_epoch < 1.
+
+    Example:
+        >>> sampler = DistributedPoissonBatchSampler(num_samples=100, sample_rate=0.1, num_replicas=2, rank=0,
+        ...                                          seed=0)
+        >>> len(sampler), sampler.expected_batch_size   # 10 steps per epoch; q·N over both ranks
+        (10, 10.0)
+        >>> all(i % 2 == 0 for batch in sampler for i in batch)  # rank 0 draws from its shard 0, 2, 4, ...
+        True
     """
 
     sampler_kind = "poisson"
@@ -142,6 +150,11 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
 
     Raises:
         ValueError: invalid sizes (as the Poisson sampler), or batch_size * K larger than a rank's N // W.
+
+    Example:
+        >>> sampler = DistributedShuffledBatchSampler(num_samples=100, batch_size=4, num_replicas=2, rank=1)
+        >>> len(sampler), sampler.sample_rate, {len(batch) for batch in sampler}
+        (12, 0.08, {4})
     """
 
     sampler_kind = "shuffle"

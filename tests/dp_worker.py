@@ -126,7 +126,7 @@ def run_case(case, out_dir, devices):
                        "world_size": trainer.world_size, "num_nodes": trainer.num_nodes,
                        "num_devices": trainer.num_devices, "sampler_rank": sampler.rank,
                        "sampler_replicas": sampler.num_replicas, "plan": vars(strategy.plan),
-                       "noise_scales": list(strategy._noise_scales()), "ledger": strategy.ledger.to_dict(),
+                       "noise_scales": list(strategy.mechanism.noise_scales()), "ledger": strategy.ledger.to_dict(),
                        "epsilon": float(callbacks[0].epsilon())}, f)
     if rank == 0:
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),

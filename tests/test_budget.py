@@ -348,7 +348,7 @@ def test_budget_stop_on_two_processes_agrees_across_ranks(runs, tmp_path):
 
 @pytest.mark.slow
 def test_export_zero3_checkpoint_with_ledger(runs, tmp_path):
-    from lightning_dpzero.accounting.export import convert_zero_checkpoint_with_ledger, exported_ledger
+    from lightning_dpzero.checkpoints import convert_zero_checkpoint_with_ledger, exported_ledger
 
     ckpt = runs["ckpt"]
     source = PrivacyLedger.load(ckpt / "privacy_ledger.json")

@@ -162,6 +162,38 @@ model:
         assert line in out, line
 
 
+@pytest.mark.parametrize("init_args, callback_args, bad", [
+    ("      loss_reduction: avg\n", "", "loss_reduction"),
+    ("      clipping: flat\n", "", "clipping"),
+    ("      clipping_fn: clamp\n", "", "clipping_fn"),
+    ("", "        accountant: gdp\n", "accountant"),
+    ("", "        on_budget_exhausted: warn\n", "on_budget_exhausted"),
+], ids=["loss_reduction", "clipping", "clipping_fn", "accountant", "on_budget_exhausted"])
+def test_a_bad_string_option_fails_when_the_config_is_parsed(tmp_path, capsys, clean_argv, init_args, callback_args,
+                                                              bad):
+    """--print_config builds nothing: only the Literal types of the signatures can refuse the value here."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""\
+trainer:
+  accelerator: cpu
+  strategy:
+    class_path: lightning_dpzero.DPDeepSpeedStrategy
+    init_args:
+      noise_multiplier: 1.0
+{init_args}  callbacks:
+    - class_path: lightning_dpzero.PrivacyAccountantCallback
+      init_args:
+        delta: 1.0e-5
+{callback_args}model:
+  class_path: lightning.pytorch.demos.boring_classes.BoringModel
+""")
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(cfg), "--print_config"])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert f'Parser key "{bad}"' in err and "Expected a typing.Literal[" in err, err
+
+
 def test_registered_strategy_name_parses(capsys, clean_argv):
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--trainer.strategy=dp_deepspeed_stage_3",

@@ -146,7 +146,7 @@ def test_dp_hyperparameters_reads_the_plan():
     from lightning_dpzero.privacy_plan import PrivacyPlan
 
     strategy = DPDeepSpeedStrategy(stage=3, max_grad_norm=0.5, clipping="all-layer", clipping_fn="automatic")
-    strategy.plan = PrivacyPlan(dataset_size=1000, sample_rate=0.064, expected_batch_size=64.0,
+    strategy.mechanism.plan = PrivacyPlan(dataset_size=1000, sample_rate=0.064, expected_batch_size=64.0,
                                 noise_multiplier=1.1, delta=1e-5, planned_steps=300, sampler_kind="poisson",
                                 accountant="pld", target_epsilon=8.0)
     accountant = PrivacyAccountantCallback(target_epsilon=8.0, delta=1e-5)

@@ -31,7 +31,8 @@ class Net(L.LightningModule):
 
 
 def _fit(model, strategy, callbacks=(), **trainer_kw):
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+    trainer_kw = {"logger": False, **trainer_kw}
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=list(callbacks), **trainer_kw)
     trainer.fit(model)
@@ -138,13 +139,15 @@ class Temperature(Net):
 def test_released_zero3_parameter_size_error_is_explained():
     # With several processes a parameter used outside its module's forward is an empty ZeRO-3 partition there,
     # and PyTorch's error mentions only sizes; the strategy adds what happened and the fix.
+    from lightning_dpzero._refusals import explain_released_parameters
+
     strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.0)
     with pytest.raises(RuntimeError, match=r"(?s)size of tensor b \(0\).*ZeRO-3.*training_step"):
-        with strategy._explain_released_parameters():
+        with explain_released_parameters(strategy.zero_stage):
             raise RuntimeError("The size of tensor a (10) must match the size of tensor b (0) at non-singleton "
                                "dimension 0")
     with pytest.raises(RuntimeError, match="^boom$"):  # other errors pass through untouched
-        with strategy._explain_released_parameters():
+        with explain_released_parameters(strategy.zero_stage):
             raise RuntimeError("boom")
 
 
@@ -152,3 +155,38 @@ def test_released_zero3_parameter_size_error_is_explained():
 def test_parameter_used_in_training_step_is_refused(stage):
     with pytest.raises(UnsupportedLayerError, match="'log_t' received a gradient that did not pass"):
         _fit(Temperature(), DPDeepSpeedStrategy(stage=stage, noise_multiplier=1.0))
+
+
+BAD_OPTIONS = {
+    "loss_reduction": (lambda: DPDeepSpeedStrategy(loss_reduction="avg"),
+                       r"loss_reduction='avg' is not supported.*'mean', 'sum'"),
+    "clipping_groups": (lambda: DPDeepSpeedStrategy(clipping="group-wise", clipping_groups="groups"),
+                        r"clipping_groups='groups' is not supported.*'param_groups'.*patterns"),
+    "accountant": (lambda: PrivacyAccountantCallback(accountant="gdp"), r"accountant='gdp' is not supported.*'pld'"),
+    "on_budget_exhausted": (lambda: PrivacyAccountantCallback(on_budget_exhausted="warn"),
+                            r"on_budget_exhausted='warn'.*'stop', 'raise'"),
+}
+
+
+@pytest.mark.parametrize("make, match", BAD_OPTIONS.values(), ids=BAD_OPTIONS.keys())
+def test_bad_string_options_are_refused_when_constructed(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_dp_values_are_logged_exactly_in_float64(tmp_path):
+    """Lightning stores a logged Python float as float32, which turned δ = 1e-5 into 9.999999747e-06 in every
+    logger; the callback logs float64 tensors, which it keeps."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = DPDeepSpeedStrategy(stage=2, noise_multiplier=1.1)
+    trainer = _fit(Net(), strategy, callbacks=[PrivacyAccountantCallback(delta=1e-5)],
+                   logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    metrics = trainer.callback_metrics
+    assert metrics["delta"].item() == 1e-5 and metrics["noise_multiplier"].item() == 1.1
+    assert metrics["sample_rate"].item() == strategy.plan.sample_rate == 4 / 32
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("delta")]
+    assert rows and {float(r["delta"]) for r in rows} == {1e-5}

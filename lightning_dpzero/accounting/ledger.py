@@ -48,6 +48,10 @@ class LedgerEntry:
         noise_multiplier: sigma >= 0, noise std divided by the total clipping norm.
         steps: number of optimizer steps in this run, >= 1.
         sampler: ``"poisson"`` or ``"shuffle"``.
+
+    Example:
+        >>> LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500)
+        LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500, sampler='poisson')
     """
 
     sample_rate: float
@@ -102,6 +106,15 @@ class PrivacyLedger:
     ``accountant``, ``run_id`` and ``versions`` (installed versions of lightning_dpzero, torch,
     deepspeed, lightning, dp_accounting; missing ones absent; informational, not hashed).
     Raises ValueError on invalid arguments.
+
+    Example:
+        >>> ledger = PrivacyLedger(delta=1e-5, dataset_size=60_000)
+        >>> ledger.charge(sample_rate=256 / 60_000, noise_multiplier=1.1, steps=700)
+        >>> ledger.charge(sample_rate=256 / 60_000, noise_multiplier=1.1)  # merges into the same entry
+        >>> ledger.steps, len(ledger.entries), round(ledger.epsilon(), 2)
+        (701, 1, 0.51)
+        >>> PrivacyLedger.from_json(ledger.to_json()) == ledger  # the hash chain is verified when read
+        True
     """
 
     def __init__(self, delta: float, dataset_size: int, accountant: str = "pld",

@@ -93,7 +93,8 @@ class EmbeddingBagRule(LayerRule):
         bounds = torch.cat([offs[:B], offs.new_tensor([end])])
         bag = torch.repeat_interleave(torch.arange(B, device=flat.device), bounds.diff())
         flat = flat[:end]
-        keep = (flat != module.padding_idx) if module.padding_idx is not None else torch.ones_like(flat, dtype=torch.bool)
+        pad = module.padding_idx
+        keep = (flat != pad) if pad is not None else torch.ones_like(flat, dtype=torch.bool)
         count = torch.zeros(B, device=flat.device).index_add_(0, bag, keep.float())
         if module.mode == "sum":
             w = keep.float() * (pw[:end].detach().float() if pw is not None else 1.0)

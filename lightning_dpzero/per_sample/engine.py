@@ -98,8 +98,8 @@ class PerSampleEngine:
 
     # ---------------------------------------------------------------- attach / validate
     def attach(self) -> "PerSampleEngine":
-        """Replace the forward of each supported layer (instance attribute only), check coverage (I5) and
-        form the clipping groups."""
+        """Replace the forward of each supported layer (instance attribute only), check coverage (invariant
+        I5, docs/design.md) and form the clipping groups."""
         if self.hooks:
             return self
         check_batch_mixing(self.module)

@@ -1,6 +1,6 @@
 """Which rule handles which module: the matching. Each rule registers itself where it is defined, with the
-:func:`register_rule` class decorator (as Opacus registers its grad samplers); the rule modules are imported
-at the end of this file so that they do.
+:func:`register_rule` class decorator (as Opacus registers its grad samplers); the package's ``__init__``
+imports the built-in rule modules so that they do.
 
 A module is matched, in order, by its exact type, by its class name and module path (layers of optional
 libraries, e.g. HuggingFace's ``Conv1D``, so that ``transformers`` is never imported here), then as a
@@ -162,7 +162,3 @@ def unsupported_reason(module: nn.Module, owned: bool = False) -> str:
                 "parameter-free module around it")
     supported = ", ".join(sorted({t.__name__ for t in RULES} | {n for _, n in NAMED_RULES}))
     return f"no per-example rule for {name} (supported: {supported})"
-
-
-# The rule modules register their rules with ``@register_rule`` when imported.
-from . import attention, conv, embedding, embedding_bag, hf_conv1d, linear, normalization, rnn  # noqa: E402,F401

@@ -35,7 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 from models import build_model, make_dataset  # noqa: E402
 
 import lightning_dpzero  # noqa: E402,F401
-import lightning_dpzero.strategy as strategy_module  # noqa: E402
+import lightning_dpzero.checkpoints.protocol as protocol_module  # noqa: E402
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback  # noqa: E402
 
 STATE = {"trainer": None, "case": None}
@@ -121,18 +121,19 @@ def install_write_kills():
         return original_save(self, state_dict, path)
 
     TorchCheckpointEngine.save = save
-    # the strategy calls the marker writer by the name it imported from lightning_dpzero.checkpoint
-    name = next((n for n in ("write_commit", "_write_commit") if hasattr(strategy_module, n)), None)
+    # the checkpoint protocol calls the marker writer by the name it imported from lightning_dpzero.checkpoints.commit
+    name = next((n for n in ("write_commit", "_write_commit") if hasattr(protocol_module, n)), None)
     if name is None:
-        raise RuntimeError("lightning_dpzero.strategy has no write_commit: update crash_worker's commit kill point")
-    original_commit = getattr(strategy_module, name)
+        raise RuntimeError("lightning_dpzero.checkpoints.protocol has no write_commit: update crash_worker's commit "
+                           "kill point")
+    original_commit = getattr(protocol_module, name)
 
     def write_commit(directory, commit):
         if kill_here("commit"):
             die()
         return original_commit(directory, commit)
 
-    setattr(strategy_module, name, write_commit)
+    setattr(protocol_module, name, write_commit)
 
 
 def run_case(case, out_dir, devices):

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import lightning_dpzero  # noqa: F401
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback, UnsupportedLayerError
-from lightning_dpzero.strategy import CheckpointIntegrityError, IncompleteCheckpointError, NonFiniteLossError
+from lightning_dpzero.checkpoints import CheckpointIntegrityError, IncompleteCheckpointError
+from lightning_dpzero.mechanism import NonFiniteLossError
 
 N = 32
 
@@ -173,7 +174,9 @@ def test_non_finite_loss_stops_with_the_step_charged(bad, accumulate):
     """A NaN/inf loss at the second optimizer step: error naming the step and the fix; that step is charged
     (not silently skipped) and not applied."""
     model = Net(bad_loss_at=1, bad_value=bad)
-    strategy = DPDeepSpeedStrategy(stage=2 if accumulate == 1 else 0, noise_multiplier=1.0)
+    # a fixed seed: with a drawn one, the bad step's Poisson batch was empty about once in 70 runs, and the
+    # loss of an empty batch is replaced by 0 whatever training_step returns (no example, no gradient)
+    strategy = DPDeepSpeedStrategy(stage=2 if accumulate == 1 else 0, noise_multiplier=1.0, seed=0)
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at optimizer step 2.*charged to the privacy "
                                                  r"ledger \(2 steps, ε = .*Fix the cause"):
         _trainer(strategy, [PrivacyAccountantCallback()], max_steps=4,

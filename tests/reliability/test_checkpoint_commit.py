@@ -7,9 +7,10 @@ import os
 import pytest
 
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyLedger
-from lightning_dpzero.checkpoint import (COMMIT_FILE, INCOMPLETE_FILE, LEDGER_FILE, CheckpointIntegrityError,
-                                         IncompleteCheckpointError, checkpoint_files as _checkpoint_files,
-                                         file_digest as _file_digest, verify_checkpoint, write_commit as _write_commit)
+from lightning_dpzero.checkpoints import (COMMIT_FILE, INCOMPLETE_FILE, LEDGER_FILE, CheckpointIntegrityError,
+                                          IncompleteCheckpointError, verify_checkpoint)
+from lightning_dpzero.checkpoints.commit import (checkpoint_files as _checkpoint_files, file_digest as _file_digest,
+                                                 write_commit as _write_commit)
 
 
 def _fake_checkpoint(root, steps=3):

@@ -24,7 +24,7 @@ from crash_harness import launch, results
 from lightning_dpzero import PrivacyLedger
 from lightning_dpzero.accounting import compute_epsilon
 from lightning_dpzero.accounting.ledger import LedgerEntry
-from lightning_dpzero.strategy import CheckpointIntegrityError, IncompleteCheckpointError, verify_checkpoint
+from lightning_dpzero.checkpoints import CheckpointIntegrityError, IncompleteCheckpointError, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_dpzero
 import lightning_dpzero.noise as noise_module
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
-from lightning_dpzero.strategy import UnsafeCheckpointError
+from lightning_dpzero.checkpoints import UnsafeCheckpointError
 
 PACKAGE = Path(lightning_dpzero.__file__).parent
 N, B = 48, 4
@@ -247,7 +247,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_unloaded(tmp_path):
     torch.save(state, shard)
     # an attacker who can write the files can also rewrite the commit marker: the hashes match again
     commit = json.loads((ckpt / "privacy_commit.json").read_text())
-    from lightning_dpzero.checkpoint import file_digest as _file_digest
+    from lightning_dpzero.checkpoints.commit import file_digest as _file_digest
 
     commit["files"][shard.relative_to(ckpt).as_posix()] = _file_digest(shard)
     (ckpt / "privacy_commit.json").write_text(json.dumps(commit))
@@ -284,8 +284,7 @@ def _enclosing_functions(tree):
 
 # torch.load without weights_only=True, each reviewed: behind an explicit user opt-in (the CLI's
 # --trust-checkpoint, export's trust_file=True), or reading back the file the exporter itself just wrote
-REVIEWED_UNSAFE_LOADS = {("cli.py", "_client_state_ledgers"), ("export.py", "exported_ledger"),
-                         ("export.py", "convert_zero_checkpoint_with_ledger")}
+REVIEWED_UNSAFE_LOADS = {("reader.py", "read_client_state"), ("export.py", "convert_zero_checkpoint_with_ledger")}
 
 
 def test_package_loads_only_with_safe_loaders():

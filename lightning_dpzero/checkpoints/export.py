@@ -21,99 +21,33 @@ The ledger's ε is recomputed from its entries by anything that reads it (``ligh
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union
 
-from .ledger import LedgerIntegrityError, PrivacyLedger
-
-LEDGER_FILE = "privacy_ledger.json"    # the name DPDeepSpeedStrategy writes beside the ZeRO shards
-LEDGER_KEY = "privacy_ledger"          # its key in the checkpoint's client state
-CALLBACK_KEY = "PrivacyAccountantCallback"
-_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+from ..accounting import LedgerIntegrityError, PrivacyLedger
+from .format import LEDGER_FILE, LEDGER_KEY
+from .reader import checkpoint_ledger, ledgers_in_state, read_client_state, same_ledger
 
 PathLike = Union[str, os.PathLike]
 
 
 class ExportedCheckpoint(NamedTuple):
-    """What :func:`convert_zero_checkpoint_with_ledger` wrote."""
+    """What :func:`convert_zero_checkpoint_with_ledger` wrote.
+
+    Example:
+        >>> from pathlib import Path
+        >>> out = ExportedCheckpoint(Path("model.ckpt"), Path("model.ckpt.privacy_ledger.json"),
+        ...                          PrivacyLedger(delta=1e-5, dataset_size=100), embedded=True)
+        >>> out.ledger_file.name, out.embedded
+        ('model.ckpt.privacy_ledger.json', True)
+    """
 
     output: Path               #: the consolidated weights (a file, or DeepSpeed's output directory)
     ledger_file: Path          #: the ledger JSON written beside (or inside) the output
     ledger: PrivacyLedger      #: the verified ledger
     embedded: bool             #: whether the ledger is also inside the output (key ``privacy_ledger``)
-
-
-def _model_states_file(ckpt_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    tags = [tag] if tag else []
-    latest = ckpt_dir / "latest"
-    if not tags and latest.is_file():
-        tags.append(latest.read_text().strip())
-    tags.append("checkpoint")  # the tag Lightning's DeepSpeedStrategy saves under
-    for t in tags:
-        for name in _MODEL_STATES:
-            if (ckpt_dir / t / name).is_file():
-                return ckpt_dir / t / name
-    return None
-
-
-def client_state_ledgers(state: dict, where: str) -> dict[str, PrivacyLedger]:
-    """Every ledger copy in a checkpoint's client state (the strategy's key and the callback's state), keyed by
-    where it was found; raises ``LedgerIntegrityError`` naming ``where`` for an edited or corrupt copy."""
-    found = {}
-    try:
-        if state.get(LEDGER_KEY) is not None:
-            found[f"{where}:{LEDGER_KEY}"] = PrivacyLedger.from_dict(state[LEDGER_KEY])
-        callbacks = state.get("callbacks")
-        cb = callbacks.get(CALLBACK_KEY) if isinstance(callbacks, dict) else None
-        if isinstance(cb, dict) and cb.get("ledger") is not None:
-            found[f"{where}:callbacks.{CALLBACK_KEY}"] = PrivacyLedger.from_dict(cb["ledger"])
-    except LedgerIntegrityError as exc:
-        raise LedgerIntegrityError(f"the privacy ledger in the client state of {where} is corrupt or was edited: "
-                                   f"{exc}") from exc
-    return found
-
-
-def checkpoint_ledger(ckpt_dir: PathLike, tag: Optional[str] = None) -> PrivacyLedger:
-    """The verified privacy ledger of a DPDeepSpeedStrategy checkpoint directory.
-
-    Reads ``privacy_ledger.json`` and the copies in the DeepSpeed client state (``torch.load`` with
-    ``weights_only=True``; a client state that needs full unpickling is skipped when the JSON is present).
-
-    Raises:
-        LedgerIntegrityError: a copy fails its hash chain, or two copies disagree.
-        ValueError: the checkpoint holds no ledger.
-    """
-    import pickle
-
-    import torch
-
-    ckpt_dir = Path(ckpt_dir)
-    copies: dict[str, PrivacyLedger] = {}
-    json_path = ckpt_dir / LEDGER_FILE
-    if json_path.is_file():
-        copies[str(json_path)] = PrivacyLedger.load(json_path)
-    states = _model_states_file(ckpt_dir, tag)
-    if states is not None:
-        try:
-            state = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
-        except (pickle.UnpicklingError, RuntimeError):
-            if not copies:
-                raise
-            state = {}
-        if isinstance(state, dict):
-            copies.update(client_state_ledgers(state, states.name))
-    if not copies:
-        raise ValueError(f"{ckpt_dir} holds no privacy ledger ({LEDGER_FILE} or client-state key {LEDGER_KEY!r}): "
-                         "not a checkpoint written by DPDeepSpeedStrategy, so the privacy it spent is unknown; "
-                         "refusing to export it as a DP model.")
-    (first_where, ledger), *rest = copies.items()
-    for where, other in rest:
-        if other != ledger or other.head != ledger.head:
-            raise LedgerIntegrityError(f"the privacy ledgers in {first_where} ({ledger.steps} steps) and {where} "
-                                       f"({other.steps} steps) disagree; the checkpoint was edited or mixed with "
-                                       "another run.")
-    return ledger
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
@@ -131,12 +65,13 @@ def _atomic_torch_save(obj, path: Path) -> None:
 
 
 def _check_same(written: PrivacyLedger, source: PrivacyLedger, where) -> None:
-    if written != source or written.head != source.head:
+    if not same_ledger(written, source):
         raise LedgerIntegrityError(f"the ledger written to {where} does not match the checkpoint's.")
 
 
 def convert_zero_checkpoint_with_ledger(ckpt_dir: PathLike, output_path: PathLike, tag: Optional[str] = None,
-                                        output_format: str = "auto") -> ExportedCheckpoint:
+                                        output_format: Literal["auto", "lightning", "deepspeed"] = "auto",
+                                        ) -> ExportedCheckpoint:
     """Consolidate a ZeRO checkpoint into fp32 weights (``zero_to_fp32``) and carry its privacy ledger along.
 
     Args:
@@ -182,7 +117,7 @@ def convert_zero_checkpoint_with_ledger(ckpt_dir: PathLike, output_path: PathLik
         output.parent.mkdir(parents=True, exist_ok=True)
         client_state = convert_zero_checkpoint_to_fp32_state_dict(ckpt_dir, output, tag=tag)
         # the client state may already carry copies (the strategy's key, the callback's state): they must agree
-        for where, other in client_state_ledgers(client_state, str(output)).items():
+        for where, other in ledgers_in_state(client_state, str(output)).items():
             _check_same(other, ledger, where)
         client_state[LEDGER_KEY] = ledger.to_dict()
         _atomic_torch_save(client_state, output)
@@ -217,10 +152,6 @@ def exported_ledger(path: PathLike, trust_file: bool = False) -> PrivacyLedger:
         ValueError: no ledger found, or the file needs ``trust_file=True``.
         LedgerIntegrityError: edited, or the copies disagree.
     """
-    import pickle
-
-    import torch
-
     path = Path(path)
     json_path = path / LEDGER_FILE if path.is_dir() else path.with_name(path.name + "." + LEDGER_FILE)
     if not json_path.is_file():
@@ -228,14 +159,12 @@ def exported_ledger(path: PathLike, trust_file: bool = False) -> PrivacyLedger:
     ledger = PrivacyLedger.load(json_path)
     if path.is_file():
         try:
-            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            saved = read_client_state(path, trust=trust_file)
         except pickle.UnpicklingError as exc:
-            if not trust_file:
-                raise ValueError(f"{path} needs full unpickling to compare its embedded ledger, which can run code "
-                                 "from the file; pass trust_file=True for a file you trust.") from exc
-            saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            raise ValueError(f"{path} needs full unpickling to compare its embedded ledger, which can run code "
+                             "from the file; pass trust_file=True for a file you trust.") from exc
         if isinstance(saved, dict) and saved.get(LEDGER_KEY) is not None:
             embedded = PrivacyLedger.from_dict(saved[LEDGER_KEY])
-            if embedded != ledger or embedded.head != ledger.head:
+            if not same_ledger(embedded, ledger):
                 raise LedgerIntegrityError(f"{json_path} and the ledger inside {path} disagree.")
     return ledger

@@ -1,8 +1,8 @@
-"""Checkpoint integrity for DP runs: the commit marker written last, file digests, safe loading.
+"""The commit marker of a DP checkpoint: written last, read and verified before anything is unpickled.
 
 A DeepSpeed checkpoint directory is usable only once rank 0 has written ``privacy_commit.json`` (ledger run id,
 head hash and steps, ``global_step``, size and SHA-256 of every file) after every shard and the ledger;
-``.privacy_checkpoint_incomplete`` marks a save in progress. See docs/reliability.md.
+``.privacy_checkpoint_incomplete`` marks a save in progress (docs/design.md, *Checkpoints*; docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -11,21 +11,12 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
-from ._atomic import atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
-from .accounting import PrivacyLedger
-
-LEDGER_FILE = "privacy_ledger.json"
-LEDGER_KEY = "privacy_ledger"
-COMMIT_FILE = "privacy_commit.json"  # written last by rank 0: the checkpoint is complete (docs/reliability.md)
-INCOMPLETE_FILE = ".privacy_checkpoint_incomplete"  # written first, removed after the commit
-COMMIT_FORMAT = "lightning_dpzero.privacy_commit"
-COMMIT_FORMAT_VERSION = 1
+from .._atomic import atomic_write_text, fsync_dir
+from ..accounting import PrivacyLedger
+from .format import COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE
 
 
 class IncompleteCheckpointError(ValueError):
@@ -34,13 +25,6 @@ class IncompleteCheckpointError(ValueError):
 
 class CheckpointIntegrityError(ValueError):
     """A checkpoint whose files, ledgers or commit marker disagree (edited, truncated, mixed from two saves)."""
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds pickled objects that ``torch.load(weights_only=True)`` refuses to build."""
-
-
-# ---------------------------------------------------------------------- checkpoint commit helpers
 
 
 def write_commit(directory: Path, commit: dict) -> None:
@@ -64,6 +48,7 @@ def checkpoint_files(directory: Path) -> list[str]:
 
 
 def file_digest(path: Path) -> dict[str, Any]:
+    """``{"size": bytes, "sha256": hex digest}`` of one file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
@@ -71,27 +56,6 @@ def file_digest(path: Path) -> dict[str, Any]:
             h.update(chunk)
             size += len(chunk)
     return {"size": size, "sha256": h.hexdigest()}
-
-
-def gather_objects(obj: Any, world_size: int) -> list[Any]:
-    import torch.distributed as dist
-
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def gather_dicts(mine: dict, world_size: int) -> dict:
-    merged: dict = {}
-    for part in gather_objects(mine, world_size):
-        merged.update(part)
-    return dict(sorted(merged.items()))
-
-
-def gather_lists(mine: list, world_size: int) -> list:
-    return [item for part in gather_objects(mine, world_size) for item in part]
 
 
 def verify_checkpoint(path) -> dict:
@@ -140,6 +104,8 @@ def read_commit(directory: Path, required: bool) -> Optional[dict]:
 
 
 def file_problems(directory: Path, commit: dict, names: list[str], check_unlisted: bool) -> list[str]:
+    """What differs between the files ``names`` and their digests in ``commit`` (and, with ``check_unlisted``,
+    which ``.pt`` files the commit does not list), one line per file."""
     files, problems = commit["files"], []
     for name in names:
         expected = files[name]
@@ -158,6 +124,7 @@ def file_problems(directory: Path, commit: dict, names: list[str], check_unliste
 
 
 def raise_file_problems(directory: Path, problems: list[str]) -> None:
+    """Raise :class:`CheckpointIntegrityError` listing the first five problems, if there are any."""
     if problems:
         raise CheckpointIntegrityError(
             f"The checkpoint {directory} does not match its {COMMIT_FILE} ({'; '.join(problems[:5])}"
@@ -166,6 +133,7 @@ def raise_file_problems(directory: Path, problems: list[str]) -> None:
 
 
 def check_commit_matches(directory: Path, commit: dict, ledger: PrivacyLedger, global_step: int) -> None:
+    """Raise :class:`CheckpointIntegrityError` unless the marker names this ledger (run id, head, steps) and step."""
     found = {"run_id": ledger.run_id, "ledger_head": ledger.head, "ledger_steps": ledger.steps,
              "global_step": global_step}
     diffs = [f"{k}: {COMMIT_FILE} says {commit.get(k)!r}, the checkpoint {v!r}" for k, v in found.items()
@@ -174,44 +142,3 @@ def check_commit_matches(directory: Path, commit: dict, ledger: PrivacyLedger, g
         raise CheckpointIntegrityError(
             f"The checkpoint {directory} disagrees with its {COMMIT_FILE} ({'; '.join(diffs)}): its ledger or "
             "client state belongs to another save or run. Refusing to resume.")
-
-
-def safe_globals() -> list:
-    """DeepSpeed's own classes in its optimizer-state files, allowed by the ``weights_only`` pre-scan."""
-    import importlib
-
-    out = []
-    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
-                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
-                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        out += [getattr(mod, n) for n in names if hasattr(mod, n)]
-    return out
-
-
-def unsafe_pickle_reason(path: Path) -> Optional[str]:
-    """None if ``torch.load(path, weights_only=True)`` succeeds (DeepSpeed's classes allowed), else why not.
-    ``mmap`` keeps tensor data unread, so the scan costs little beyond the pickle itself."""
-    import pickle
-
-    with torch.serialization.safe_globals(safe_globals()):
-        try:
-            try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError:
-                raise
-            except (RuntimeError, ValueError):  # not the zip format, which mmap needs
-                torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            import re
-
-            text = str(exc)
-            names = sorted(set(re.findall(r"GLOBAL ([\w.]+)", text))) or [text.splitlines()[0][:200] if text else
-                                                                           type(exc).__name__]
-            return "weights_only refused " + ", ".join(names)[:300]
-        except Exception as exc:  # noqa: BLE001 - corrupt or foreign file: refuse, do not unpickle
-            return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
-    return None

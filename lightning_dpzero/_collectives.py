@@ -1,0 +1,79 @@
+"""What the DP pieces need from the processes of a run, and the gathers built on it.
+
+:class:`Collectives` is the small interface the mechanism and the checkpoint protocol use to talk to the other
+ranks. Every Lightning strategy satisfies it as it is (the Trainer's ``lightning.pytorch`` strategies and
+Fabric's ``lightning.fabric`` ones alike), so neither needs a Trainer; :class:`SingleProcess` is the one for a
+loop in plain PyTorch (the audit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """The ranks of a run: how many, which one this is, and the three collectives the DP pieces call."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def reduce(self, tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Optional[str] = "mean"
+               ) -> torch.Tensor: ...
+
+    def barrier(self, name: Optional[str] = None) -> None: ...
+
+
+class SingleProcess:
+    """:class:`Collectives` of a run in one process: every collective returns its input.
+
+    Example:
+        >>> SingleProcess().broadcast("run-id"), SingleProcess().world_size
+        ('run-id', 1)
+    """
+
+    world_size, global_rank, is_global_zero = 1, 0, True
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def reduce(self, tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Optional[str] = "mean"
+               ) -> torch.Tensor:
+        return tensor
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        return None
+
+
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` without an initialised process group)."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_dicts(mine: dict, world_size: int) -> dict:
+    """The union of every rank's dict, sorted by key."""
+    merged: dict = {}
+    for part in gather_objects(mine, world_size):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def gather_lists(mine: list, world_size: int) -> list:
+    """Every rank's list, concatenated in rank order."""
+    return [item for part in gather_objects(mine, world_size) for item in part]

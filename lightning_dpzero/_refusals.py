@@ -1,0 +1,114 @@
+"""What :class:`~lightning_dpzero.DPDeepSpeedStrategy` refuses or explains about Lightning and DeepSpeed settings.
+
+Each check raises before the first update with a message naming the setting and the fix (docs/design.md,
+*Where each piece runs*: setup), or turns a bare error of Lightning or DeepSpeed into one that says what
+happened in DP terms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+from torch.utils.data import DistributedSampler
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+def check_trainer(trainer, deepspeed_config) -> None:
+    """Refuse Trainer and DeepSpeed settings that would clip the noisy gradient or under-charge the ledger."""
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip the *noisy* batch gradient; "
+            "DP training clips each example instead. Remove gradient_clip_val and set the strategy's "
+            "max_grad_norm.")
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError(
+            "automatic_optimization=False is not supported: the privacy ledger charges one step per "
+            "optimizer step of Lightning's loop and expects one backward per sampled micro-batch, so manual "
+            "accumulation would be under-charged and several manual_backward calls per batch would let an "
+            "example contribute more than max_grad_norm. Use automatic optimization (return the loss from "
+            "training_step; accumulate with Trainer(accumulate_grad_batches=...)).")
+    if deepspeed_config and deepspeed_config.get("gradient_clipping"):
+        raise ValueError(
+            f"The DeepSpeed config sets gradient_clipping={deepspeed_config['gradient_clipping']}; per-example "
+            "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
+
+
+def check_deferred_writes(needs_deferred_writes: bool, clipping: str, accumulate_grad_batches: int,
+                          zero_stage: int) -> None:
+    """A clipping group that spans layers is written at the end of the backward inside DeepSpeed's one coalesced
+    reduction per step, which cannot span accumulation micro-batches on stages 1-3."""
+    if needs_deferred_writes and accumulate_grad_batches > 1 and zero_stage >= 1:
+        raise ValueError(
+            f"clipping={clipping!r} with a clipping group that spans several layers and "
+            f"accumulate_grad_batches > 1 is supported on ZeRO stage 0 only (stage {zero_stage} reduces "
+            "such gradients in one coalesced pass per optimizer step, which DeepSpeed cannot yet span over "
+            "micro-batches). Use clipping='layer-wise', stage=0, or accumulate_grad_batches=1 with a larger "
+            "batch_size.")
+
+
+def base_optimizer(deepspeed_engine) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` DeepSpeed's wrappers step last, with this rank's fp32 partition."""
+    base = deepspeed_engine.optimizer
+    while hasattr(base, "optimizer") and not isinstance(base, torch.optim.Optimizer):
+        base = base.optimizer
+    if not isinstance(base, torch.optim.Optimizer):
+        raise TypeError(f"DP noise needs a torch.optim.Optimizer under DeepSpeed, found {type(base).__name__}; "
+                        "define the optimizer in configure_optimizers, not in the DeepSpeed config.")
+    return base
+
+
+def warn_injected_batch_size_one(dataloader) -> None:
+    """Lightning's DistributedSampler injection turns ``batch_sampler=BatchSampler(...)`` into batches of 1."""
+    if getattr(dataloader, "batch_size", None) == 1 and isinstance(getattr(dataloader, "sampler", None),
+                                                                   DistributedSampler):
+        rank_zero_warn(
+            "The training DataLoader has batch_size=1 after Lightning's DistributedSampler injection, so the "
+            "sample rate q is set for micro-batches of 1 example. If you built it with batch_sampler="
+            "BatchSampler(...), Lightning dropped that batch sampler: pass batch_size=B instead (the DP sampler "
+            "replaces the sampling anyway), or set Trainer(use_distributed_sampler=False) to have it refused.")
+
+
+def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
+    """Micro-batches an epoch runs under ``Trainer(limit_train_batches=...)`` (an int: at most that many; a
+    fraction below 1: that share)."""
+    if isinstance(limit_train_batches, int):
+        return min(micro_batches, limit_train_batches)
+    if limit_train_batches < 1.0:
+        return int(micro_batches * limit_train_batches)
+    return micro_batches
+
+
+@contextlib.contextmanager
+def explain_released_parameters(zero_stage: int):
+    """ZeRO-3 gathers a parameter only inside the forward of the module that owns it; used elsewhere (in
+    training_step) it is an empty partition and PyTorch reports a bare size mismatch against 0."""
+    try:
+        yield
+    except RuntimeError as e:
+        msg = str(e)
+        if zero_stage != 3 or not re.search(r"(size|shape)[^\n]*\b0\b", msg):
+            raise
+        raise RuntimeError(
+            f"{msg}\n\nUnder ZeRO-3 (DeepSpeed stage 3) a parameter holds data only inside the forward of the "
+            "module that owns it; if training_step (outside any forward) uses a parameter, e.g. a learned "
+            "temperature self.log_t.exp(), that parameter is an empty partition there. Use it inside a "
+            "module's forward instead (a parameter used outside its layer is refused by the DP engine anyway, "
+            "since its gradient would not be clipped per example).") from e
+
+
+def explain_missing_len(exception: BaseException, training: bool) -> None:
+    """Lightning injects its DistributedSampler into the training loader before the strategy replaces it, so a
+    dataset without ``__len__`` fails there with Python's bare "has no len()": name the setting and the fix."""
+    tb, frames = exception.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    if training and isinstance(exception, TypeError) and "_get_distributed_sampler" in frames:
+        from lightning.pytorch.utilities.exceptions import _augment_message
+
+        _augment_message(exception, ".*has no len\\(\\).*", (
+            f"{exception} - DP accounting needs the training set's size N: give the training dataset a __len__ "
+            "(a map-style Dataset with __len__ and __getitem__); Poisson sampling and the accountant both need "
+            "N."))

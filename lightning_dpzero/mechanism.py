@@ -1,0 +1,374 @@
+"""One DP-SGD step, owned by one object (docs/design.md, *The mechanism* and *Where each piece runs*).
+
+:class:`DPMechanism` holds everything that makes an optimizer step private and nothing about what drives the
+training loop: the privacy plan, the ledger (opened, restored, charged before the update, I4), the factors on
+the loss (the loss probe, *The factors on the loss*), the noise hook and its scales (I3), the non-finite-loss
+policy, empty Poisson batches, fresh random streams after a resume, and the check that the noise ran before an
+update was applied. It talks to the other ranks through :class:`~lightning_dpzero._collectives.Collectives`,
+which every Lightning strategy is, so the same object serves the Trainer's :class:`DPDeepSpeedStrategy`, a
+Fabric loop, or a loop in plain PyTorch (the audit).
+
+A driver calls, in this order:
+
+1. :meth:`attach` once the per-example engine is attached to the module (draws a seed shared by the ranks);
+2. :meth:`install_noise` on the optimizer whose ``step`` receives the reduced gradient;
+3. :meth:`private_loader` and :meth:`fix_plan` once the training loader is known (or :meth:`use_plan`
+   with a plan of its own); the ledger is opened there, or the restored one continued;
+4. per micro-batch, :meth:`training_step` around the forward and :meth:`probe_loss` on the loss before
+   backward;
+5. per optimizer step, :meth:`optimizer_step` around the step;
+6. :meth:`resume` when a checkpoint is loaded (:meth:`restore_ledger` for another copy of its ledger).
+
+The accountant callback hands its settings over with :meth:`use_accounting` and reads :attr:`plan`,
+:attr:`ledger` and :meth:`take_stats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import secrets
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from ._collectives import Collectives, SingleProcess
+from .accounting import PrivacyLedger
+from .noise import NoiseSource, make_noise_pre_hook
+from .per_sample import PerSampleEngine
+from .privacy_plan import AccountingSettings, PrivacyPlan
+from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
+
+
+class NonFiniteLossError(RuntimeError):
+    """``training_step`` returned a NaN or infinite loss; training stops with that step charged to the ledger."""
+
+
+class StepStats(NamedTuple):
+    """The clipping statistics of this rank since the last :meth:`DPMechanism.take_stats`."""
+
+    examples: int    #: examples whose per-example norms were taken
+    clipped: int     #: of those, the examples whose total norm exceeded C (scaled down)
+    norm_sum: float  #: sum of their total per-example norms (before clipping)
+
+
+class _LossProbe(torch.autograd.Function):
+    """Identity on the loss whose backward reports d(final scaled loss)/d(loss) to the mechanism."""
+
+    @staticmethod
+    def forward(ctx, loss, mechanism, accumulate_grad_batches, gradient_accumulation_steps):
+        ctx.mechanism, ctx.k, ctx.gas = mechanism, accumulate_grad_batches, gradient_accumulation_steps
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.mechanism._on_loss_grad(g, ctx.k, ctx.gas)
+        return g, None, None, None
+
+
+class DPMechanism:
+    """The DP-SGD step of a run: ``g̃ = (Σ_i clip(g_i) + N(0, σ²C²I)) / B_exp`` with ``B_exp = q·N``.
+
+    Args:
+        noise_multiplier: σ >= 0; ``None`` until the plan calibrates it from a target ε.
+        max_grad_norm: C, the bound on each example's gradient norm (``math.inf`` only with σ = 0).
+        seed: seed of the noise and sampling streams (not in secure mode); ``None`` draws one from OS entropy.
+        secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
+        poisson_sampling: Poisson-sampled logical batches (default); ``False``: shuffled fixed-size batches.
+
+    Raises:
+        ValueError: σ negative or not finite; σ > 0 with C = inf.
+
+    Example:
+        One private step in plain PyTorch (what the strategy does inside Lightning and DeepSpeed):
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_dpzero import PerSampleEngine
+        >>> from lightning_dpzero.privacy_plan import PrivacyPlan
+        >>> model = nn.Linear(4, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> mechanism = DPMechanism(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+        >>> mechanism.attach(PerSampleEngine(model, max_grad_norm=1.0).attach())
+        >>> mechanism.install_noise(optimizer, replicated=True)
+        >>> mechanism.use_plan(PrivacyPlan(dataset_size=100, sample_rate=0.08, expected_batch_size=8.0,
+        ...                                noise_multiplier=1.0, delta=1e-5, planned_steps=1, sampler_kind="poisson"))
+        >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        >>> def closure():  # forward and backward of one micro-batch: per-example clipping
+        ...     loss = mechanism.training_step(lambda: nn.functional.cross_entropy(model(x), y), batch_size=8)
+        ...     mechanism.probe_loss(loss).backward()
+        >>> def step(charged_closure):
+        ...     charged_closure()   # the closure, then the ledger charge
+        ...     optimizer.step()    # the noise hook runs first: (Σ clip(g_i) + σ·C·z) / B_exp
+        >>> mechanism.optimizer_step(step, closure, boundary=True, step_applied=lambda: True)
+        >>> mechanism.ledger.steps, mechanism.take_stats().examples
+        (1, 8)
+    """
+
+    def __init__(self, noise_multiplier: Optional[float] = None, max_grad_norm: float = 1.0, *,
+                 seed: Optional[int] = None, secure_mode: bool = False, poisson_sampling: bool = True) -> None:
+        if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier (σ) must be >= 0 and finite, got {noise_multiplier!r}.")
+        if noise_multiplier and math.isinf(max_grad_norm):
+            raise ValueError("max_grad_norm=inf with noise_multiplier > 0 would add infinite noise; set a finite C.")
+        self._noise_multiplier = noise_multiplier
+        self.max_grad_norm = max_grad_norm
+        self.seed, self.secure_mode, self.poisson_sampling = seed, secure_mode, poisson_sampling
+        self.accounting = AccountingSettings()
+        self.plan: Optional[PrivacyPlan] = None      #: fixed by fix_plan / use_plan
+        self.ledger: Optional[PrivacyLedger] = None  #: opened with the plan
+        self.engine: Optional[PerSampleEngine] = None
+        self.collectives: Collectives = SingleProcess()
+        self._restored: Optional[PrivacyLedger] = None
+        self._noise_target: Optional[tuple[torch.optim.Optimizer, bool]] = None
+        self._noise_handle = None
+        self._noise_applied = False
+
+    @property
+    def noise_multiplier(self) -> Optional[float]:
+        """σ of the plan once it is fixed (calibrated or given), before that the σ given (None: to calibrate)."""
+        return self.plan.noise_multiplier if self.plan is not None else self._noise_multiplier
+
+    @property
+    def active(self) -> bool:
+        """Whether an engine is attached (training); the driver then routes its steps through the mechanism."""
+        return self.engine is not None
+
+    # ------------------------------------------------------------------------------------------ setup
+    def use_accounting(self, settings: AccountingSettings) -> None:
+        """δ, the accountant and the target ε of the run (from :class:`PrivacyAccountantCallback`); without a
+        call the defaults of :class:`AccountingSettings` hold."""
+        self.accounting = settings
+
+    def attach(self, engine: PerSampleEngine, collectives: Optional[Collectives] = None) -> None:
+        """Use ``engine`` (attached to the module) and ``collectives`` (the run's ranks; default one process).
+        Without a seed (and not in secure mode too, for the sampler) one is drawn from OS entropy, the same on
+        every rank: stage 0's shared noise stream needs it."""
+        self.engine = engine
+        self.collectives = collectives if collectives is not None else SingleProcess()
+        if self.seed is None:
+            seed = secrets.randbits(62)
+            self.seed = int(self.collectives.broadcast(seed)) if self.collectives.world_size > 1 else seed
+
+    def detach(self) -> None:
+        """Give the module its own forwards back (end of fit)."""
+        if self.engine is not None:
+            self.engine.detach()
+
+    def install_noise(self, optimizer: torch.optim.Optimizer, *, replicated: bool) -> None:
+        """Register the noise as a step pre-hook on ``optimizer`` (docs/design.md, *Where each piece runs*:
+        step). ``replicated``: every rank holds the whole gradient (ZeRO stage 0) and draws the same noise."""
+        self._noise_target = (optimizer, replicated)
+        source = NoiseSource(self.seed, self.secure_mode, replicated=replicated, rank=self.collectives.global_rank)
+        self._noise_handle = optimizer.register_step_pre_hook(
+            make_noise_pre_hook(self.noise_scales, source, self._mark_noise_applied))
+
+    def noise_scales(self) -> tuple[float, float]:
+        """``(W / B_exp, σ·C / B_exp)``: the factor on this rank's reduced gradient (DeepSpeed averaged it over
+        the W ranks) and the standard deviation of the noise per coordinate."""
+        assert self.plan is not None
+        b_exp = self.plan.expected_batch_size
+        sigma = self.plan.noise_multiplier
+        std = sigma * self.max_grad_norm / b_exp if sigma > 0 else 0.0
+        return self.collectives.world_size / b_exp, std
+
+    def _mark_noise_applied(self) -> None:
+        self._noise_applied = True
+
+    # ------------------------------------------------------------------------------------------ data and plan
+    def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int) -> DataLoader:
+        """The training loader over the same dataset with the distributed Poisson (or shuffled) sampler at
+        ``q = B·W·K/N``, B being ``dataloader.batch_size``.
+
+        Raises:
+            TypeError: the dataset has no ``__len__`` (N is needed).
+            ValueError: no ``batch_size``, a sampler the accountant cannot describe, or q > 1.
+        """
+        n = dataset_size(dataloader)
+        check_sampler_describable(dataloader)
+        batch_size = getattr(dataloader, "batch_size", None)
+        if batch_size is None:
+            raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
+                             "micro-batch): the DP sampler replaces its sampler and needs B to set q.")
+        world, rank = self.collectives.world_size, self.collectives.global_rank
+        q = poisson_sample_rate(batch_size, world, accumulate_grad_batches, n)
+        return private_dataloader(dataloader, q, world, rank, accumulate_grad_batches, seed=self.seed,
+                                  secure_mode=self.secure_mode, poisson=self.poisson_sampling)
+
+    def fix_plan(self, loader: DataLoader, *, accumulate_grad_batches: int, micro_batches_per_epoch: int,
+                 max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
+        """Fix the plan for the loader from :meth:`private_loader` (σ calibrated if asked) and open the ledger.
+        A plan fixed again (a reloaded loader) keeps the σ of the first."""
+        sampler = loader.batch_sampler
+        settings = self.accounting
+        plan = PrivacyPlan.build(
+            dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
+            accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,
+            max_steps=max_steps, max_epochs=max_epochs, noise_multiplier=self.noise_multiplier,
+            target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant)
+        self.use_plan(plan)
+        return plan
+
+    def use_plan(self, plan: PrivacyPlan) -> None:
+        """Charge every step with ``plan`` and open the ledger: the restored one, after checking it is for the
+        same N and δ, else (once) a new one with a run id shared by the ranks."""
+        self.plan = plan
+        restored = self._restored
+        if restored is not None:
+            if restored.dataset_size != plan.dataset_size or restored.delta != plan.delta:
+                raise ValueError(
+                    f"The checkpoint's privacy ledger is for N={restored.dataset_size}, δ={restored.delta}; this "
+                    f"run has N={plan.dataset_size}, δ={plan.delta}. Resume with the same data and delta.")
+            self.ledger = restored
+        elif self.ledger is None:
+            # one run id on every rank, so every rank's copy of the ledger is the same document
+            run_id = self.collectives.broadcast(secrets.token_hex(16))
+            self.ledger = PrivacyLedger(delta=plan.delta, dataset_size=plan.dataset_size,
+                                        accountant=plan.accountant, run_id=run_id)
+
+    # ------------------------------------------------------------------------------------------ resume
+    def restore_ledger(self, ledger: PrivacyLedger) -> None:
+        """Continue ``ledger`` (from a checkpoint) when the plan opens the ledger.
+
+        Raises:
+            ValueError: another ledger was restored already (two copies in one checkpoint disagree).
+        """
+        if self._restored is not None and self._restored != ledger:
+            raise ValueError("The callback's ledger and the checkpoint's ledger disagree; refusing to resume.")
+        self._restored = ledger
+
+    def resume(self, ledger: PrivacyLedger) -> None:
+        """A checkpoint with ``ledger`` was loaded: continue it, with fresh noise and sampling streams.
+
+        With an explicit seed, a resumed process would restart the noise stream at its first draw, so the steps
+        after the checkpoint would reuse the noise of the run's first steps: the difference of two released
+        updates would then cancel the noise exactly. A new seed is derived from the seed and the ledger's
+        position (deterministic, the same on every rank) for the noise and for the sampler built after this."""
+        self.restore_ledger(ledger)
+        if self.secure_mode or self._noise_handle is None:  # secure: no seed to reuse; not fitting: no hook
+            return
+        digest = hashlib.sha256(f"{self.seed}:{ledger.run_id}:{ledger.steps}:{ledger.head}".encode()).digest()
+        self.seed = int.from_bytes(digest[:8], "little") >> 2
+        self._noise_handle.remove()
+        optimizer, replicated = self._noise_target
+        self.install_noise(optimizer, replicated=replicated)
+
+    # ------------------------------------------------------------------------------------------ per micro-batch
+    def training_step(self, run: Callable[[], Any], batch_size: Optional[int], *, module: Any = None,
+                      step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
+        """Run one micro-batch's ``training_step`` (``run()``), declared to the engine as ``batch_size`` examples
+        (None: read from each layer's input), and stop on a non-finite loss (:meth:`check_finite_loss`).
+
+        An empty Poisson batch is a valid noise-only step that every rank must run (collectives). The mean loss
+        over no examples is NaN: ``module``'s ``log``/``log_dict`` calls are dropped for it, so no epoch mean
+        turns NaN, and the loss handed to backward is 0 (its gradient is exactly zero either way)."""
+        self.engine.start_micro_batch(batch_size)
+        if batch_size != 0:
+            return self.check_finite_loss(run(), step, epoch)
+        with _logging_suppressed(module):
+            out = run()
+        return self.check_finite_loss(_zero_loss(out), step, epoch)
+
+    def check_finite_loss(self, out: Any, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
+        """Stop on a NaN/inf loss (any rank; all ranks agree in one all-reduce), with the step charged.
+
+        A non-finite loss would give NaN per-example norms and coefficients, and a NaN update: never skip it
+        silently. The step is charged before raising (conservative: whether the loss was finite depends on the
+        batch and is now visible), nothing is applied, and every rank raises the same
+        :class:`NonFiniteLossError`. ``step`` and ``epoch`` (the optimizer step being built, the epoch) only
+        word the message."""
+        if self.plan is None or self.ledger is None:
+            return out
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            return out
+        world = self.collectives.world_size
+        bad = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(1)
+        if world > 1:
+            bad = self.collectives.reduce(bad, reduce_op="sum")
+        if float(bad) == 0:
+            return out
+        self.charge()
+        try:
+            eps = f"ε = {self.ledger.epsilon():.6g} at δ = {self.ledger.delta:g}"
+        except Exception:  # noqa: BLE001 - the error below matters more than the number
+            eps = "ε unavailable"
+        local = float(loss.detach().float().flatten()[0]) if loss.numel() else float("nan")
+        raise NonFiniteLossError(
+            f"training_step returned a non-finite loss at optimizer step {step} (epoch {epoch}; this rank's loss: "
+            f"{local}) on {int(float(bad))} of {world} rank(s). Training stopped before the update; DP training "
+            f"never skips such a step silently. The step was charged to the privacy ledger ({self.ledger.steps} "
+            f"steps, {eps}). Fix the cause (a loss that overflows, e.g. log of 0 or exp of large logits: compute it "
+            "from logits, as cross_entropy does; too large a learning rate; bad values in the data), then resume "
+            "from the last checkpoint.")
+
+    def probe_loss(self, loss: torch.Tensor, accumulate_grad_batches: int = 1,
+                   gradient_accumulation_steps: int = 1) -> torch.Tensor:
+        """``loss`` through the loss probe, to hand to backward: its backward reads the product ``g`` of every
+        factor put on the loss after this point (``1/gradient_accumulation_steps`` and the loss scale of
+        DeepSpeed's backward) and has the engine take norms of ``K/g`` times the output gradients, K being
+        ``accumulate_grad_batches`` (Lightning's 1/K is on ``loss`` already), and write back ``g·gas`` (the loss
+        scale, which DeepSpeed divides out) times the clipped sums (docs/design.md, *The factors on the loss*)."""
+        return _LossProbe.apply(loss, self, accumulate_grad_batches, gradient_accumulation_steps)
+
+    def _on_loss_grad(self, g: torch.Tensor, accumulate_grad_batches: int, gradient_accumulation_steps: int) -> None:
+        g = float(g)
+        if not math.isfinite(g) or g == 0:
+            raise RuntimeError(f"The loss gradient is {g}; cannot recover per-example gradients.")
+        # undo Lightning's 1/K, DeepSpeed's 1/gas and the loss scale; emit × S, which DeepSpeed divides out
+        self.engine.set_loss_factors(grad_scale=accumulate_grad_batches / g,
+                                     emit_scale=g * gradient_accumulation_steps)
+
+    # ------------------------------------------------------------------------------------------ per optimizer step
+    def charge(self) -> None:
+        """Charge one step (q, σ, sampler) of the plan to the ledger."""
+        self.ledger.charge(self.plan.sample_rate, self.plan.noise_multiplier, self.plan.sampler_kind)
+
+    def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], *,
+                       boundary: bool, step_applied: Callable[[], bool]) -> Any:
+        """``step(charged_closure)``: the driver's optimizer step with a closure that runs ``closure`` and then, at
+        an accumulation ``boundary``, charges the ledger, before the update is applied (I4: skipped, overflowed
+        steps are charged too). After it, an update that was applied (``step_applied()``) without the noise hook
+        having run stops training."""
+
+        def charged_closure() -> Any:
+            result = closure()
+            if boundary:
+                self.charge()
+            return result
+
+        self._noise_applied = False
+        out = step(charged_closure)
+        if boundary and step_applied() and not self._noise_applied:
+            raise RuntimeError("An optimizer step was applied without the DP noise hook running; refusing to "
+                               "continue with a non-private update.")
+        return out
+
+    def take_stats(self) -> StepStats:
+        """This rank's clipping statistics since the last call, and reset them (the callback's metrics)."""
+        stats = self.engine.stats
+        out = StepStats(int(stats["examples"]), int(stats["clipped"]), float(stats["norm_sum"]))
+        self.engine.reset_stats()
+        return out
+
+
+@contextlib.contextmanager
+def _logging_suppressed(module):
+    if module is None:
+        yield
+        return
+    module.log = module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def _zero_loss(out):
+    if isinstance(out, torch.Tensor):
+        return torch.nan_to_num(out, nan=0.0) if out.numel() == 1 else out
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return {**out, "loss": torch.nan_to_num(out["loss"], nan=0.0)}
+    return out

@@ -1,0 +1,132 @@
+"""The package's layout stays readable: imports without cycles, a strategy that only wires, one definition of
+each checkpoint file name and key, and comments that cite docs/design.md (docs/design.md, *Layout*)."""
+
+import ast
+from pathlib import Path
+
+import lightning_dpzero
+
+PACKAGE = Path(lightning_dpzero.__file__).parent
+ROOT = PACKAGE.name
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (f, is_pkg)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports, at module level or inside functions alike (a lazy import
+    hides a cycle, it does not remove it)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, (f, is_pkg) in modules.items():
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                prefix = base[:len(base) - node.level + 1] if node.level else []
+                module = ".".join(prefix + ([node.module] if node.module else []))
+                for a in node.names:
+                    targets.add(f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module)
+        graph[name] = {t for t in targets if t in modules and t != name and t.split(".")[0] == ROOT}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]):
+    state, stack = {}, []
+
+    def visit(u):
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                return stack[stack.index(v):] + [v]
+            if v not in state and (cycle := visit(v)):
+                return cycle
+        stack.pop()
+        state[u] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_package_imports_are_acyclic():
+    graph = import_graph()
+    assert "lightning_dpzero.mechanism" in graph["lightning_dpzero.strategy"]  # the graph sees real edges
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_a_cycle_would_be_found():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_strategy_only_wires():
+    lines = (PACKAGE / "strategy.py").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 300, len(lines)
+
+
+def _code_strings(f: Path) -> list[str]:
+    """String constants of a file's code, docstrings and ``__all__`` (names, not values) left out."""
+    tree = ast.parse(f.read_text(encoding="utf-8"))
+    skip = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
+            skip |= {id(c) for c in ast.walk(n.value)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in skip]
+
+
+def test_each_checkpoint_name_is_defined_once():
+    from lightning_dpzero.checkpoints import format as names
+
+    wanted = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
+    wanted |= set(names.MODEL_STATES_FILES)
+    found = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        for s in _code_strings(f):
+            if s in wanted:
+                found.setdefault(s, []).append(f.relative_to(PACKAGE).as_posix())
+    assert set(found) == wanted
+    assert {s: where for s, where in found.items() if where != ["checkpoints/format.py"]} == {}
+
+
+def test_comments_cite_the_design_in_the_repository():
+    stale = [f.relative_to(PACKAGE).as_posix() for f in sorted(PACKAGE.glob("*.py"))
+             if "DESIGN §" in f.read_text(encoding="utf-8")]
+    stale += [f.relative_to(PACKAGE).as_posix() for f in sorted((PACKAGE / "checkpoints").glob("*.py"))
+              if "DESIGN §" in f.read_text(encoding="utf-8")]
+    assert stale == []
+
+
+def test_overridden_lightning_methods_say_so():
+    """Lightning's habit: every method that overrides a Lightning one carries ``@override``."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
+    from lightning_dpzero._launch import DeepSpeedLaunchMixin
+    from lightning_dpzero.metrics import PrivacyRunLogger
+
+    missing = []
+    for cls, base in ((DPDeepSpeedStrategy, DeepSpeedStrategy), (DeepSpeedLaunchMixin, DeepSpeedStrategy),
+                      (PrivacyAccountantCallback, Callback), (PrivacyRunLogger, Callback)):
+        for name, attr in vars(cls).items():
+            if name.startswith("__") or not hasattr(base, name):
+                continue
+            func = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            if callable(func) and not getattr(func, "__override__", False):
+                missing.append(f"{cls.__name__}.{name}")
+    assert missing == []
