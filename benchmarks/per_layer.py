@@ -12,6 +12,8 @@ For each layer shape, in one process and one run:
 * ``func``       ``torch.func.vmap(grad)`` per-example gradients (parameters and input), then clipping and
                  the weighted sum;
 * ``naive``      one forward + ``autograd.grad`` per example, then clipping and the sum;
+* ``opacus``     (RNNs, EmbeddingBag) Opacus 1.6: ``DPLSTM``/``DPGRU`` in place of the layer, ``GradSampleModule``
+                 per-example gradients, then clipping and the sum;
 * ``proto_inst_reuse`` (Linear only) the benchmark-side prototype that preceded ``engine_reuse``: per-example
                  gradients instantiated once in the layer's backward and reused for the clipped sum (see
                  ``_InstReuseLinear``), kept as the lower bound the engine's path is compared with.
@@ -27,7 +29,7 @@ from ``torch.profiler`` memory events (``profile_memory=True``), above what was 
 
 Usage::
 
-    python -m benchmarks.per_layer [--reps 10] [--warmup 3] [--threads 1] [--batch 16] [--quick]
+    python -m benchmarks.per_layer [--reps 10] [--warmup 3] [--threads 1] [--batch 16] [--quick] [--set core|rnn] [--layers lstm,gru]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from benchmarks.common import RESULTS, machine_info, md_table, median, profiler_peak_bytes, write_json
+from benchmarks.per_layer_rnn import FirstOutput, Bags, m_opacus
 
 C = 1.0  # clipping threshold (every example is clipped at these scales)
 #: CPU clock of the timings: the calling thread's with one torch thread, else the whole process's
@@ -59,6 +62,15 @@ CASES = [
     dict(layer="conv2d", cin=64, cout=64, k=3, hw=8, note="late conv: T=64 patches, ghost wins"),
     dict(layer="embedding", T=128, vocab=1000, d=256, note="token embedding"),
     dict(layer="layernorm", T=128, d=256, note="LayerNorm(d)"),
+]
+
+#: the RNN and EmbeddingBag rows (``--set rnn``, ``per_layer_rnn_cpu.json``); the RNN rule unrolls the recurrence
+#: in Python in its backward; vmap cannot batch GRU, a bidirectional LSTM or the bags (no func column)
+RNN_CASES = [
+    dict(layer="lstm", T=64, d=128, H=128, L=1, bi=False, func=True, note="LSTM, one layer"),
+    dict(layer="lstm", T=32, d=64, H=64, L=2, bi=True, func=False, note="LSTM, 2 bidirectional layers"),
+    dict(layer="gru", T=64, d=128, H=128, L=1, bi=False, func=False, note="GRU, one layer"),
+    dict(layer="embedding_bag", vocab=1000, d=128, N=32, func=False, note="EmbeddingBag mean, 1-D + offsets"),
 ]
 
 
@@ -78,6 +90,13 @@ def make_case(case: dict, B: int, seed: int = 0):
     elif kind == "layernorm":
         layer = nn.LayerNorm(case["d"])
         x = torch.randn(B, case["T"], case["d"])
+    elif kind in ("lstm", "gru"):
+        cls = nn.LSTM if kind == "lstm" else nn.GRU
+        layer = FirstOutput(cls(case["d"], case["H"], num_layers=case["L"], bidirectional=case["bi"], batch_first=True))
+        x = torch.randn(B, case["T"], case["d"])
+    elif kind == "embedding_bag":
+        layer = Bags(nn.EmbeddingBag(case["vocab"], case["d"], mode="mean"))
+        x = torch.randint(0, case["vocab"], (B, case["N"]))
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -230,8 +249,11 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         methods["engine_ghost"] = lambda l, x, r: m_engine(l, x, r, "ghost")
         methods["engine_inst"] = lambda l, x, r: m_engine(l, x, r, "inst")
         methods["engine_reuse"] = lambda l, x, r: m_engine(l, x, r, "reuse")
-    methods["func"] = m_func
+    if case.get("func", True):
+        methods["func"] = m_func
     methods["naive"] = m_naive
+    if case["layer"] in ("lstm", "gru", "embedding_bag"):
+        methods["opacus"] = m_opacus
     if case["layer"] == "linear":
         methods["proto_inst_reuse"] = m_proto
     layer0, x, R = make_case(case, B)
@@ -245,7 +267,7 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         steps[name] = make(copy.deepcopy(layer0), x, R)
         for _ in range(warmup):
             steps[name]()
-        if name == "engine" and linear_like:  # the path the engine took, as it records it
+        if name == "engine":  # the path the engine took, as it records it (None: the layer's rule is exact)
             out["engine_choice"] = next(iter(steps[name].engine.last_paths.values()), None)
     wall = {n: [] for n in steps}
     cpu = {n: [] for n in steps}
@@ -262,8 +284,9 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         res = {"median_ms": 1e3 * median(cpu[name]), "wall_median_ms": 1e3 * median(wall[name]),
                "cpu_ms": [1e3 * t for t in cpu[name]], "wall_ms": [1e3 * t for t in wall[name]],
                "peak_mb": peak / 2**20}
-        if name == "func":
+        if name == ("func" if "func" in steps else "naive"):  # the reference: func, else a backward per example
             ref = {k: v.detach().clone() for k, v in grads.items()}
+            out["reference"] = name
         res["_grads"] = {k: v.detach().clone() for k, v in grads.items()}
         out["methods"][name] = res
     base = out["methods"]["nondp"]
@@ -272,8 +295,8 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         res["time_ratio"] = res["median_ms"] / base["median_ms"]
         res["wall_ratio"] = res["wall_median_ms"] / base["wall_median_ms"]
         res["mem_ratio"] = res["peak_mb"] / base["peak_mb"] if base["peak_mb"] else float("nan")
-        if name != "nondp" and ref is not None:
-            res["max_rel_err_vs_func"] = max(float((g[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30))
+        if name not in ("nondp", out.get("reference")) and ref is not None:
+            res[f"max_rel_err_vs_{out['reference']}"] = max(float((g[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30))
                                              for k in ref)
     return out
 
@@ -286,12 +309,17 @@ def case_label(case: dict) -> str:
         return f"Conv2d {case['cin']}→{case['cout']} k{case['k']} {case['hw']}²"
     if k == "embedding":
         return f"Embedding V={case['vocab']} d={case['d']} T={case['T']}"
+    if k in ("lstm", "gru"):
+        return f"{k.upper()} T={case['T']} d=H={case['H']} L={case['L']}{' bi' if case['bi'] else ''}"
+    if k == "embedding_bag":
+        return f"EmbeddingBag V={case['vocab']} d={case['d']} N={case['N']}"
     return f"LayerNorm d={case['d']} T={case['T']}"
 
 
 def render(result: dict) -> str:
     """Markdown: a time table and a memory table (ratios to non-DP from the same run)."""
-    cols = ["nondp", "engine", "engine_ghost", "engine_inst", "engine_reuse", "func", "naive", "proto_inst_reuse"]
+    cols = [c for c in ["nondp", "engine", "engine_ghost", "engine_inst", "engine_reuse", "func", "naive", "opacus",
+                        "proto_inst_reuse"] if any(c in r["methods"] for r in result["cases"])]
     head = ["layer (B=%d)" % result["batch"], "engine chose", "floor", "non-DP ms"] + [
         f"{c} ×" for c in cols[1:]]
     rows, mrows = [], []
@@ -315,8 +343,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = least noisy)")
     ap.add_argument("--quick", action="store_true", help="3 reps, 1 warm-up, batch 4 (a smoke test)")
-    ap.add_argument("--out", default=str(RESULTS / "per_layer_cpu.json"))
+    ap.add_argument("--out", default=None, help="default: results/per_layer_cpu.json (core), per_layer_rnn_cpu.json (rnn)")
+    ap.add_argument("--set", choices=["core", "rnn"], default="core",
+                    help="core: Linear, Conv2d, Embedding, LayerNorm; rnn: LSTM, GRU, EmbeddingBag (with Opacus)")
+    ap.add_argument("--layers", default="", help="comma-separated layer kinds of the set to run (default: all)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(RESULTS / ("per_layer_rnn_cpu.json" if args.set == "rnn" else "per_layer_cpu.json"))
     if args.quick:
         args.reps, args.warmup, args.batch = 3, 1, 4
     torch.set_num_threads(args.threads)
@@ -328,7 +361,8 @@ def main(argv=None) -> dict:
                               else "median process CPU time (time.process_time)"),
               "memory_method": "torch.profiler memory events: peak live CPU tensor bytes during one call",
               "machine_before": machine_info(), "cases": []}
-    for case in CASES:
+    only = {k for k in args.layers.split(",") if k}
+    for case in [c for c in (RNN_CASES if args.set == "rnn" else CASES) if not only or c["layer"] in only]:
         r = run_case(case, args.batch, args.warmup, args.reps)
         result["cases"].append(r)
         m = r["methods"]

@@ -8,8 +8,8 @@ Usage::
     python -m benchmarks.run --skip-per-layer   # step time only (per-layer JSON reused)
 
 Every flag of ``benchmarks.step_time`` can follow ``--`` (e.g. ``-- --steps 4 --models gpt``).
-Outputs: ``benchmarks/results/per_layer_cpu.json``, ``profile_engine_cpu.json``, ``step_time_cpu.json``,
-``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
+Outputs: ``benchmarks/results/per_layer_cpu.json``, ``per_layer_rnn_cpu.json``, ``profile_engine_cpu.json``,
+``step_time_cpu.json``, ``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
 ``benchmarks/results/step_time_profile_cpu.json`` (a ``step_time --profile`` run) and the hand-written
 ``benchmarks/results/analysis.md`` when they exist. The page opens with a summary in words, generated from
 the step-time JSON.
@@ -202,7 +202,7 @@ def model_line(a: dict, f: dict) -> str:
     return ". ".join(parts) + "."
 
 
-def render_doc(pl: dict | None, st: dict | None, command: str) -> str:
+def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None = None) -> str:
     m = (st or pl)["machine_before"]
     after = (st or pl).get("machine_after", {})
     parts = [
@@ -327,6 +327,24 @@ def render_doc(pl: dict | None, st: dict | None, command: str) -> str:
             "",
             per_layer.render(pl),
         ]
+    if rnn:
+        errs = {name: max(v.get(k, 0) for c in rnn["cases"] for n, v in c["methods"].items() if n == name
+                          for k in ("max_rel_err_vs_func", "max_rel_err_vs_naive")) for name in ("engine", "opacus")}
+        parts += [
+            "### RNNs and EmbeddingBag",
+            "",
+            f"`python -m benchmarks.per_layer --set rnn`, a separate run with the same settings (batch {rnn['batch']}, "
+            f"{rnn['threads']} thread, median of {rnn['reps']} calls after {rnn['warmup']} warm-up calls). The "
+            "layer is the user's `nn.LSTM` / `nn.GRU` / `nn.EmbeddingBag` (1-D indices with offsets); `engine` "
+            "recomputes the recurrence unrolled in time in its backward (PyTorch's fused kernels give no per-step "
+            "gradients); `opacus` is Opacus 1.6 as its users run these layers (`DPLSTM` / `DPGRU` in place of "
+            "the layer, `GradSampleModule`); `func` is missing where vmap cannot batch the layer, and `naive` "
+            "(one backward per example) is then the reference. Max relative error against the reference: engine "
+            f"{errs['engine']:.1e}, opacus {errs['opacus']:.1e} (Opacus' EmbeddingBag per-example gradient counts an "
+            "index repeated within a bag once).",
+            "",
+            per_layer.render(rnn),
+        ]
     return "\n".join(parts) + "\n"
 
 
@@ -339,11 +357,13 @@ def main(argv=None) -> None:
     ap.add_argument("rest", nargs="*", help="flags for benchmarks.step_time, after --")
     args = ap.parse_args(argv)
     pl_path, st_path = RESULTS / "per_layer_cpu.json", RESULTS / "step_time_cpu.json"
+    rnn_path = RESULTS / "per_layer_rnn_cpu.json"
     t0 = time.time()
     if not args.render_only:
         print("load average before:", load_average(), flush=True)
         if not args.skip_per_layer:
             per_layer.main(["--out", str(pl_path)])
+            per_layer.main(["--set", "rnn", "--out", str(rnn_path)])
         if not args.skip_profile:
             profile_engine.main(["--layers-too", "--out", str(RESULTS / "profile_engine_cpu.json")])
         if not args.skip_step_time:
@@ -351,12 +371,13 @@ def main(argv=None) -> None:
         print(f"total {time.time() - t0:.0f} s; load average after: {load_average()}", flush=True)
     pl = json.loads(pl_path.read_text()) if pl_path.exists() else None
     st = json.loads(st_path.read_text()) if st_path.exists() else None
+    rnn = json.loads(rnn_path.read_text()) if rnn_path.exists() else None
     if st:
         plot(st, PNG)
     command = "python -m benchmarks.run" + (" -- " + " ".join(args.rest) if args.rest else "")
     if args.render_only and st and st.get("command"):
         command = st["command"]
-    DOC.write_text(render_doc(pl, st, command))
+    DOC.write_text(render_doc(pl, st, command, rnn))
     print(f"wrote {DOC.relative_to(ROOT)}" + (f" and {PNG.relative_to(ROOT)}" if st else ""))
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models import build_model, make_dataset
-from oracle import clipped_sum, per_example_grads
+from models import LOOP_ORACLE, build_model, make_dataset
+from oracle import clipped_sum, loop_per_example_grads, per_example_grads
 
 HERE = Path(__file__).parent
 
@@ -94,7 +94,13 @@ def expected_params(case, result):
         idx = torch.tensor(sorted(steps[step]), dtype=torch.long)
         if len(idx) == 0:  # an empty logical batch: a noise-only step, zero here (σ = 0)
             continue
-        grads = per_example_grads(model, nn.functional.cross_entropy, x[idx], y[idx])
+        if case["model"] in LOOP_ORACLE:
+            def loss_of(m, sel, dtype, xs=x[idx], ys=y[idx]):
+                out = nn.functional.cross_entropy(m(xs[sel]), ys[sel], reduction="none")
+                return out.reshape(len(sel), -1).mean(1)  # per example: the mean over its tokens
+            grads = loop_per_example_grads(model, loss_of, len(idx))
+        else:
+            grads = per_example_grads(model, nn.functional.cross_entropy, x[idx], y[idx])
         groups = None
         if case["clipping"] == "group-wise":
             import fnmatch

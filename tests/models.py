@@ -60,13 +60,62 @@ class TinyViT(nn.Module):
         return self.head(torch.tanh(self.ln(h)).mean(1))
 
 
+class RNNLM(nn.Module):
+    """Embedding → LSTM (2 layers, packed sequences of the lengths before the padding token 0) → GRU with
+    batch_first=False → Linear: next-token logits (B, V, T), one loss per example (the mean over its tokens)."""
+
+    def __init__(self, vocab=13, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, d, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        h = self.emb(x)
+        if x.shape[0]:  # an empty Poisson batch reaches the forward too; a PackedSequence cannot be empty
+            lengths = (x != 0).sum(1).clamp_min(1)
+            packed = pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+            h = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+        else:
+            h = self.lstm(h)[0]
+        h = self.gru(h.transpose(0, 1))[0].transpose(0, 1)
+        return self.head(h).transpose(1, 2)
+
+
+class BagNet(nn.Module):
+    """EmbeddingBag (mean, padding_idx=0) on 1-D indices with offsets built from (B, N) rows → Linear."""
+
+    def __init__(self, vocab=13, d=6, classes=3):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(vocab, d, mode="mean", padding_idx=0)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        lengths = (x != 0).sum(1)
+        keep = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        return self.head(torch.tanh(self.bag(x[keep], offsets)))
+
+
 def build_model(kind):
-    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "vit": TinyViT}[kind]()
+    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "vit": TinyViT, "rnn": RNNLM, "bag": BagNet}[kind]()
+
+
+#: models the harness checks with a backward per example (loop) instead of torch.func (vmap cannot batch them)
+LOOP_ORACLE = {"rnn", "bag"}
 
 
 def make_dataset(kind, n):
     g = torch.Generator().manual_seed(42)
-    if kind == "token":
+    if kind in ("rnn", "bag"):  # sequences of 1..6 tokens (1..12), padded with token 0
+        x = torch.randint(1, 13, (n, 6), generator=g)
+        x[torch.arange(6) >= torch.randint(1, 7, (n, 1), generator=g)] = 0
+        if kind == "rnn":
+            return x, torch.randint(0, 13, (n, 6), generator=g)
+    elif kind == "token":
         x = torch.randint(0, 13, (n, 6), generator=g)
     elif kind in ("conv", "vit"):
         x = torch.randn(n, 1, 8, 8, generator=g)

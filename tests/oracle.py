@@ -45,3 +45,71 @@ def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="
         for n in grp:
             out[n] = (grads[n] * coef.view(-1, *[1] * (grads[n].dim() - 1))).sum(0)
     return out
+
+
+
+def loop_per_example_grads(model, loss_of, B, dtype=torch.float64, alone=True):
+    """{name: (B, *shape)} gradients of each example's own loss by one backward per example, for layers that
+    ``torch.func.vmap`` cannot batch (GRU, packed sequences, bags given by offsets).
+
+    ``loss_of(model, idx, dtype)`` runs the model on the examples ``idx`` (positions in the batch) together
+    and returns their losses ``(len(idx),)``. ``alone=True``: a ``dtype`` copy of the model runs on each
+    example by itself, so batching in the layer under test cannot leak into the reference; ``alone=False``:
+    one forward of the whole batch and a backward of each example's loss through it (randomness drawn once
+    for the batch: dropout masks under a fixed seed)."""
+    import copy
+
+    m = copy.deepcopy(model).to(dtype)
+    named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    per = {n: [] for n, _ in named}
+    batch = None if alone or not B else loss_of(m, list(range(B)), dtype)
+    for i in range(B):
+        loss = loss_of(m, [i], dtype)[0] if alone else batch[i]
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True, retain_graph=not alone)
+        for (n, p), g in zip(named, grads):
+            per[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(per[n]) if B else torch.zeros(0, *p.shape, dtype=dtype) for n, p in named}
+
+
+def layer_groups(names, merge=None):
+    """Layer-wise clipping groups of parameter names: one per module path (``merge`` maps a path to its owner's)."""
+    by: dict[str, list[str]] = {}
+    for n in names:
+        mod = n.rsplit(".", 1)[0] if "." in n else ""
+        by.setdefault((merge or {}).get(mod, mod), []).append(n)
+    return list(by.values())
+
+
+def check_engine_against_loop(model, loss_of, B, clip, context=None, alone=True, seed=None):
+    """The engine's Σ_i clip(g_i) for the mean of ``loss_of(model, all examples)`` against
+    :func:`loop_per_example_grads` (float64 with ``alone``, else the model's dtype with the batch forward),
+    under ``context`` (e.g. a forced path). ``seed``: the RNG seed set before each forward (dropout masks).
+    ``clip``: clipping, clipping_fn, C. Returns the engine (detached)."""
+    import contextlib
+
+    from lightning_dpzero.per_sample import PerSampleEngine
+
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    groups = layer_groups(names) if clip["clipping"] == "layer-wise" else None
+    if seed is not None:
+        torch.manual_seed(seed)
+    grads = loop_per_example_grads(model, loss_of, B, torch.float64 if alone else torch.float32, alone)
+    ref = clipped_sum(model, {n: g.double() for n, g in grads.items()}, clip["C"], clip["clipping"],
+                      clip["clipping_fn"], groups=groups)
+    model.zero_grad(set_to_none=True)
+    engine = PerSampleEngine(model, max_grad_norm=clip["C"], clipping=clip["clipping"],
+                             clipping_fn=clip["clipping_fn"]).attach()
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        with context or contextlib.nullcontext(), engine.micro_batch(batch_size=B):
+            losses = loss_of(model, list(range(B)), torch.float32)
+            torch.nan_to_num(losses.mean()).backward()  # B = 0: the mean over no examples is NaN
+    finally:
+        engine.detach()
+    tol = 1e-4 * (1.0 + max((float(r.abs().max()) for r in ref.values() if r.numel()), default=0.0))
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            got = p.grad.double() if p.grad is not None else torch.zeros_like(ref[n])
+            torch.testing.assert_close(got, ref[n], rtol=1e-3, atol=tol, msg=lambda m: f"{n}: {m}")
+    return engine

@@ -98,6 +98,18 @@ class LayerRule:
     def check(self, module: nn.Module, name: str) -> None:
         """Raise ``UnsupportedLayerError`` for configurations the rule cannot clip (before training)."""
 
+    def batch_size(self, module: nn.Module, x: Any, extra: tuple[tuple, dict] = ((), {})
+                   ) -> Optional[tuple[int, Optional[int]]]:
+        """The number of examples in one call ``module(x, *args, **kwargs)`` (``extra`` = (args, kwargs)) and the
+        dimension of ``x`` that holds them, which the engine checks against the micro-batch size before the
+        call runs; ``None`` when ``x`` has no batch dimension (refused). Default: ``x.shape[0]``, dimension 0.
+        An RNN with ``batch_first=False`` answers dimension 1; a count that is no dimension of ``x`` (an
+        ``EmbeddingBag``'s number of bags, given by its offsets; a ``PackedSequence``'s first batch size)
+        answers dimension ``None``. May raise ``UnsupportedLayerError`` for an input the rule refuses."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            return None
+        return x.shape[0], 0
+
     def params(self, module: nn.Module) -> list[Optional[torch.Tensor]]:
         """The module's parameters in ``param_names`` order (``None`` for an absent one)."""
         return [getattr(module, n, None) for n in self.param_names]
@@ -139,6 +151,12 @@ class LayerRule:
         :class:`Site` carries to ``norm_sq``/``per_example``/``clipped_grads``; ``grads`` has one entry per
         output, ``None`` for an unused output."""
         raise NotImplementedError
+
+    def assemble(self, module, outputs: Any, options: dict) -> Any:
+        """What the layer's call returns, built from the autograd function's tensor outputs (``forward``'s) and
+        ``bind``'s options: for layers whose result is not a flat tuple of tensors (an RNN's
+        ``(PackedSequence, (h_n, c_n))``). Default: the outputs as they are."""
+        return outputs
 
 
 class UnsupportedLayerError(RuntimeError):
@@ -214,7 +232,8 @@ def run_call(hook: "LayerHook", x: torch.Tensor, params: list, extra: tuple[tupl
     if not hook.rule.multi_input:
         return PerSampleFunction.apply(hook, x, *params)
     tensors, options = hook.rule.bind(hook.module, x, *extra)
-    return MultiInputFunction.apply(hook, options, len(tensors), *tensors, *params)
+    out = MultiInputFunction.apply(hook, options, len(tensors), *tensors, *params)
+    return hook.rule.assemble(hook.module, out, options)
 
 
 class LayerHook:

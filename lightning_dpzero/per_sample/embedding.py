@@ -27,7 +27,7 @@ class EmbeddingRule(LayerRule):
         for attr, bad in (("max_norm", None), ("sparse", False), ("scale_grad_by_freq", False)):
             if getattr(module, attr) != bad:
                 raise UnsupportedLayerError(
-                    f"Embedding '{name}' sets {attr}={getattr(module, attr)!r}, which per-example clipping does "
+                    f"{type(module).__name__} '{name}' sets {attr}={getattr(module, attr)!r}, which per-example clipping does "
                     f"not support. Fix: construct it with {attr}={bad!r}.")
 
     def forward(self, module, x, weight):

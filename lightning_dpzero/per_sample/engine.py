@@ -267,9 +267,11 @@ class PerSampleEngine:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
         if not self.clipping_now():
             return hook.original_forward(x, extra)
-        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        found = hook.rule.batch_size(hook.module, x, extra)
+        if found is None:
             raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
-        if x.dim() < hook.rule.min_input_dim:
+        n, dim = found
+        if isinstance(x, torch.Tensor) and x.dim() < hook.rule.min_input_dim:
             # a (T,) index such as nanoGPT's pos_emb(torch.arange(T)) has no batch dimension; when T equals the
             # micro-batch size it would pass the check below and mix examples' gradients
             raise UnsupportedLayerError(
@@ -278,14 +280,16 @@ class PerSampleEngine:
                 "every example): e.g. pos_emb(torch.arange(T, device=x.device)[None]), and (B, 1) for one index "
                 "per example.")
         b = self.expected_batch_size
-        if b is not None and x.shape[0] == 1 and b != 1 and hook.rule.broadcast_batch:
-            x = x.expand(b, *x.shape[1:])
-        if b is not None and x.shape[0] != b:
+        if b is not None and n == 1 and b != 1 and hook.rule.broadcast_batch:  # (dimension 0 rules only)
+            x, n = x.expand(b, *x.shape[1:]), b
+        if b is not None and n != b:
+            where = (f"whose first dimension is {n}" if dim == 0 else f"whose batch dimension ({dim}) is {n}"
+                     if dim is not None else f"of {n} examples (the micro-batch size is read from the batch's "
+                     "first tensor: put one with a row per example, e.g. the labels, before flat indices)")
             raise UnsupportedLayerError(
-                f"{type(hook.module).__name__} '{hook.name}' received an input whose first dimension is "
-                f"{x.shape[0]}, but the micro-batch has {b} examples. Per-example clipping needs the batch "
-                "dimension first in every layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), "
-                "and use batch_first=True."
+                f"{type(hook.module).__name__} '{hook.name}' received an input {where}, but the "
+                f"micro-batch has {b} examples. Per-example clipping needs the batch dimension first in every "
+                "layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), and use batch_first=True."
             )
         self._register_site(hook)
         return run_call(hook, x, hook.rule.params(hook.module), extra)

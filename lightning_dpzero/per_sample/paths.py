@@ -91,3 +91,14 @@ def weight_path(site, T: int, d: int, p: int, per_example_numel: int) -> str:
     reusable = site.x.shape[0] > 0 and may_keep(site, per_example_numel)
     site.path = choose_path(T, d, p, reusable, site.g.device.type, site.g.dtype)
     return site.path
+
+
+def site_rows_path(site, a: torch.Tensor, g: torch.Tensor) -> str:
+    """The path for one weight of ``site`` whose gradient is the rows ``a`` (B,T,d), ``g`` (B,T,p) (a layer with
+    several such weights: an RNN's ``weight_ih``/``weight_hh``/``weight_hr`` per layer and direction):
+    :func:`choose_path`, with reuse where the site completes its group or the ``(B, p, d)`` gradients fit the
+    deferred budget (:data:`DEFERRED_KEEP_FACTOR` of these rows)."""
+    B, T, d = a.shape
+    p = g.shape[2]
+    reusable = B > 0 and (site.completes or fits_deferred(a, g, d * p))
+    return choose_path(T, d, p, reusable, g.device.type, g.dtype)
