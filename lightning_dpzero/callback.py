@@ -70,7 +70,8 @@ class PrivacyAccountantCallback(Callback):
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy (one with a ``mechanism``, a DPMechanism).
-        ValueError: bad target_epsilon / delta / accountant / on_budget_exhausted, when constructed.
+        ValueError: bad target_epsilon / delta / accountant / on_budget_exhausted / accounting_worker, when
+            constructed.
         PrivacyBudgetExceeded: ``on_budget_exhausted="raise"`` and the next step would exceed the budget.
 
     Example:

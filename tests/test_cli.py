@@ -188,7 +188,8 @@ model:
     ("      clipping_fn: clamp\n", "", "clipping_fn"),
     ("", "        accountant: gdp\n", "accountant"),
     ("", "        on_budget_exhausted: warn\n", "on_budget_exhausted"),
-], ids=["loss_reduction", "clipping", "clipping_fn", "accountant", "on_budget_exhausted"])
+    ("", "        accounting_worker: gpu\n", "accounting_worker"),
+], ids=["loss_reduction", "clipping", "clipping_fn", "accountant", "on_budget_exhausted", "accounting_worker"])
 def test_a_bad_string_option_fails_when_the_config_is_parsed(tmp_path, capsys, clean_argv, init_args, callback_args,
                                                               bad):
     """--print_config builds nothing: only the Literal types of the signatures can refuse the value here."""
