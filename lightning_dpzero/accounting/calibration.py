@@ -60,7 +60,7 @@ def epsilon_for(noise_multiplier: float, delta: float, sample_rate: float, steps
 def _met_at_minimum(te: float, e_min: float, q: float, steps: int, delta: float) -> float:
     rank_zero_warn(
         f"target_epsilon={te:g} is met even by the least noise searched: noise_multiplier={SIGMA_MIN} gives "
-        f"epsilon={e_min:.4g} for q={q:g}, steps={steps}, delta={delta:g}. Using noise_multiplier={SIGMA_MIN}; "
+        f"epsilon <= {e_min:.4g} for q={q:g}, steps={steps}, delta={delta:g}. Using noise_multiplier={SIGMA_MIN}; "
         "pass a smaller one explicitly if you need less noise.")
     return SIGMA_MIN
 
@@ -130,8 +130,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
             a, b = (mid, b) if rdp(mid) > value else (a, mid)
         return b
 
-    if rdp(SIGMA_MIN) <= te:
-        return _met_at_minimum(te, eps(SIGMA_MIN), q, steps, delta)
+    if rdp(SIGMA_MIN) <= te:  # epsilon(SIGMA_MIN) is at most this bound
+        return _met_at_minimum(te, rdp(SIGMA_MIN), q, steps, delta)
     if rdp(SIGMA_MAX) > te:
         e_max = eps(SIGMA_MAX)
         if e_max > te:
