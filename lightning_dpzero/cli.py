@@ -84,13 +84,24 @@ def _summary(ledger: PrivacyLedger) -> dict:
             "accountant": ledger.accountant,
             "entries": [{"sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier,
                          "steps": e.steps, "sampler": e.sampler} for e in ledger.entries],
-            "steps": ledger.steps, "epsilon": ledger.epsilon(),
+            "steps": ledger.steps, "epsilon": ledger.epsilon(), "epsilon_method": ledger.epsilon_bound().method,
             "epsilon_pld": ledger.epsilon(accountant="pld"), "epsilon_rdp": ledger.epsilon(accountant="rdp"),
+            "value_discretization_interval": ledger.epsilon_bound(accountant="pld").value_discretization_interval,
             "versions": dict(ledger.versions), "head": ledger.head}
 
 
+def _how(bound) -> str:
+    """Which bound gave an epsilon, for `ledger show`."""
+    if bound.method == "rdp" and bound.pld is not None:
+        return f"RDP bound, tighter than the PLD bound {bound.pld!r} here"
+    if bound.method == "pld":
+        return f"PLD bound on a {bound.value_discretization_interval:g}-nat grid"
+    return {"none": "exact: no step, or delta covers the chance an example is ever used",
+            "sigma=0": "no noise"}.get(bound.method, bound.method)
+
+
 def cmd_show(args) -> int:
-    """Print the ledger's metadata, entries, total steps, ε (PLD, exact) and ε (RDP)."""
+    """Print the ledger's metadata, entries, total steps, ε (PLD, or RDP where tighter) and ε (RDP)."""
     json_path, _ = _resolve(args.path)
     ledger = _load(json_path)
     s = _summary(ledger)
@@ -115,7 +126,8 @@ def cmd_show(args) -> int:
     for i, e in enumerate(ledger.entries, 1):
         print(f"  {i:>3}  {e.sample_rate!r:>22}  {e.noise_multiplier!r:>24}  {e.steps:>9}  {e.sampler}")
     print(f"total steps:      {ledger.steps}")
-    print(f"epsilon (pld):    {_fmt_eps(s['epsilon_pld'])}  (exact, at delta={ledger.delta!r}){mark['pld']}")
+    print(f"epsilon (pld):    {_fmt_eps(s['epsilon_pld'])}  ({_how(ledger.epsilon_bound(accountant='pld'))}, "
+          f"at delta={ledger.delta!r}){mark['pld']}")
     print(f"epsilon (rdp):    {_fmt_eps(s['epsilon_rdp'])}{mark['rdp']}")
     versions = ", ".join(f"{k} {v}" for k, v in sorted(ledger.versions.items())) or "-"
     print(f"versions:         {versions}")
@@ -148,7 +160,7 @@ def cmd_verify(args) -> int:
 
 def epsilon_curve(ledger: PrivacyLedger, points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
-    """ε (exact, dp-accounting) after t steps, at about ``points`` step counts t from 0 to the total,
+    """ε (``compute_epsilon``) after t steps, at about ``points`` step counts t from 0 to the total,
     always including every entry boundary. Returns (steps, epsilons)."""
     accountant = accountant or ledger.accountant
     total = ledger.steps
@@ -188,7 +200,7 @@ def cmd_plot(args) -> int:
     ax = fig.add_subplot()
     for acc in accountants:
         xs, ys = epsilon_curve(ledger, args.points, acc)
-        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=f"{acc.upper()}" + (" (exact)" if acc == "pld" else ""))
+        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=acc.upper())
     t = 0
     for e in ledger.entries[:-1]:
         t += e.steps
