@@ -61,10 +61,12 @@ def check_window_start(trainer) -> None:
 
 
 def step_counters(trainer, deepspeed_engine, with_this_update: bool = False) -> dict[str, int]:
-    """Lightning's and DeepSpeed's update counters (plus one each for the update being built, if asked)."""
-    extra = int(with_this_update)
-    return {"Lightning global_step": trainer.global_step + extra,
-            "DeepSpeed global_steps": int(deepspeed_engine.global_steps) + extra}
+    """Lightning's and DeepSpeed's update counters. ``with_this_update`` (inside DeepSpeed's boundary step, before
+    the update): each counting the update being built if it will (Lightning counts it when its loop does not
+    accumulate this micro-batch; DeepSpeed steps at its boundary)."""
+    lightning_counts = with_this_update and not trainer.fit_loop._should_accumulate()
+    return {"Lightning global_step": trainer.global_step + int(lightning_counts),
+            "DeepSpeed global_steps": int(deepspeed_engine.global_steps) + int(with_this_update)}
 
 
 class FitLoopGuard:

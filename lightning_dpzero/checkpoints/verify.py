@@ -129,14 +129,15 @@ def check_ledgers(directory: Path, commit: dict, trust: bool = False) -> Verifie
     state = read_state(directory, trust)
     json_path = directory / LEDGER_FILE
     ledger = PrivacyLedger.load(json_path) if json_path.exists() else None
+    first = str(json_path)
     for where, other in state.ledgers.items():
         if ledger is None:
-            ledger = other
+            ledger, first = other, where
         elif not same_ledger(other, ledger):
             raise CheckpointIntegrityError(
-                f"{json_path} (run {ledger.run_id}, {ledger.steps} steps) and the ledger inside the checkpoint "
-                f"({where}: run {other.run_id}, {other.steps} steps) disagree; the checkpoint may have been edited "
-                "or mixed with another run. Refusing to resume.")
+                f"{first} and the ledger inside the checkpoint disagree (run {ledger.run_id}, {ledger.steps} steps; "
+                f"{where}: run {other.run_id}, {other.steps} steps); the checkpoint may have been edited or mixed "
+                "with another run. Refusing to resume.")
     if ledger is None:
         raise ValueError(f"The checkpoint {directory} holds no privacy ledger, so the privacy already spent is "
                          "unknown. Resume only from checkpoints written by DPDeepSpeedStrategy, or load the weights "
