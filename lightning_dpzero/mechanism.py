@@ -10,14 +10,16 @@ Fabric loop, or a loop in plain PyTorch (the audit).
 
 A driver calls, in this order:
 
-1. :meth:`attach` once the per-example engine is attached to the module (draws a seed shared by the ranks);
+1. :meth:`attach` once the per-example engine is attached to the module, at every fit (draws a seed shared by
+   the ranks; a fit that continues the ledger derives its streams' seed from the ledger's position);
 2. :meth:`install_noise` on the optimizer whose ``step`` receives the reduced gradient;
 3. :meth:`private_loader` and :meth:`fix_plan` once the training loader is known (or :meth:`use_plan`
    with a plan of its own); the ledger is opened there, or the restored one continued;
-4. per micro-batch, :meth:`training_step` around the forward and :meth:`probe_loss` on the loss before
-   backward;
-5. per optimizer step, :meth:`optimizer_step` around the step;
-6. :meth:`resume` when a checkpoint is loaded (:meth:`restore_ledger` for another copy of its ledger).
+4. optionally :meth:`begin_fit` with the driver's step counters before the first update;
+5. per micro-batch, :meth:`training_step` around the forward (its all-reduce also carries a stop that
+   :meth:`request_stop` asked for: :attr:`stop_agreed`) and :meth:`probe_loss` on the loss before backward;
+6. per optimizer step, :meth:`optimizer_step` around the step;
+7. :meth:`resume` when a checkpoint is loaded (:meth:`restore_ledger` for another copy of its ledger).
 
 The accountant callback hands its settings over with :meth:`use_accounting` and reads :attr:`plan`,
 :attr:`ledger` and :meth:`take_stats`.

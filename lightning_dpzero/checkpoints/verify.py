@@ -16,9 +16,10 @@ The client state is read with ``torch.load(weights_only=True)`` (and ``mmap``), 
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 from ..accounting import PrivacyLedger
 from .commit import (CheckpointIntegrityError, IncompleteCheckpointError, check_commit_matches, file_problems,
@@ -150,7 +151,7 @@ def check_ledgers(directory: Path, commit: dict, trust: bool = False) -> Verifie
     return VerifiedCheckpoint(ledger, list(state.ledgers), state.note, weights_steps)
 
 
-def check_steps_cover(directory, ledger: PrivacyLedger, weights_steps: int) -> None:
+def check_steps_cover(directory: Union[str, os.PathLike], ledger: PrivacyLedger, weights_steps: int) -> None:
     """Raise :class:`CheckpointIntegrityError` if the ledger charges fewer steps than the weights hold."""
     if ledger.steps < weights_steps:
         raise CheckpointIntegrityError(
@@ -158,7 +159,7 @@ def check_steps_cover(directory, ledger: PrivacyLedger, weights_steps: int) -> N
             f"ledger charges only {ledger.steps}; the ε it would report is too small. Refusing to resume.")
 
 
-def verify_checkpoint(path, trust: bool = False) -> dict:
+def verify_checkpoint(path: Union[str, os.PathLike], trust: bool = False) -> dict:
     """Verify a checkpoint directory written by :class:`DPDeepSpeedStrategy` without loading it (one process): the
     same checks, in the same order, as loading it for training.
 
