@@ -103,6 +103,7 @@ def run_case(case, out_dir, devices):
         strategy=strategy, accelerator="cpu", devices=devices // case.get("num_nodes", 1),
         num_nodes=case.get("num_nodes", 1), max_steps=case["steps"],
         max_epochs=case.get("max_epochs"),  # -1 with steps=-1: unbounded (the privacy budget stops it)
+        limit_train_batches=case.get("limit_train_batches"),
         accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0)
@@ -131,6 +132,7 @@ def run_case(case, out_dir, devices):
     if rank == 0:
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),
+                    "deepspeed_global_steps": int(strategy.deepspeed_engine.global_steps),
                     "epsilon": float(callbacks[0].epsilon()),
                     "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},
                    os.path.join(out_dir, f"{name}.pt"))
