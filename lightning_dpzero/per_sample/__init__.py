@@ -8,7 +8,7 @@ from .registry import register_rule
 
 # The built-in rules register themselves with ``@register_rule`` when their modules are imported; importing
 # them here (not from registry.py, which they import) keeps the package's imports acyclic.
-from . import attention, conv, embedding, hf_conv1d, linear, normalization  # noqa: E402,F401  isort: skip
+from . import attention, conv, embedding, hf_conv1d, hf_norm, linear, normalization  # noqa: E402,F401  isort: skip
 
 __all__ = ["PerSampleEngine", "LayerRule", "Site", "UnsupportedLayerError", "clip_coefficients", "register_rule",
            "check_per_example", "PerExampleMismatchError"]

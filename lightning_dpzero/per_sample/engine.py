@@ -36,9 +36,7 @@ from torch import nn
 from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
-from .coverage import check_batch_mixing, check_coverage, has_rule_or_owner
-from .parameters import ParameterHook, broadcast_candidates
-from .registry import find_rule, owned_children
+from .coverage import attach_hooks, check_batch_mixing, check_coverage
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
 
@@ -85,6 +83,7 @@ class PerSampleEngine:
         self.clipping_fn, self.gamma, self.loss_reduction = clipping_fn, gamma, loss_reduction
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
+        self._layout = None  # the layout check's recorder while it runs (layout.py)
         self._guards: list = []
         self.active = False
         # Set per micro-batch by the caller (see ``micro_batch``):
@@ -103,32 +102,8 @@ class PerSampleEngine:
         if self.hooks:
             return self
         check_batch_mixing(self.module)
-        covered: set[int] = set()
-        owned: set[int] = set()  # ids of child modules whose parent's rule clips their parameters
-        for name, mod in self.module.named_modules():  # a parent before its children
-            rule = None if id(mod) in owned else find_rule(mod)
-            if rule is None:
-                continue
-            owned |= {id(c) for c in owned_children(mod, rule)}
-            params = [p for p in rule.params(mod) if p is not None]
-            if not any(p.requires_grad for p in params):
-                continue
-            if {id(p) for p in mod.parameters(recurse=False)} - {id(p) for p in params}:
-                continue  # parameters the rule does not know: reported as uncovered below
-            rule.check(mod, name or type(mod).__name__)
-            covered |= {id(p) for p in params}
-            hook = LayerHook(self, mod, name or type(mod).__name__, rule)
-            mod.forward = hook
-            self.hooks.append(hook)
-        for name, mod in self.module.named_modules():  # parameters used directly by a forward (parameters.py)
-            if not has_rule_or_owner(mod, owned):  # no rule, and not a (refused) subclass of a layer with one
-                names = [n for n in broadcast_candidates(mod) if id(mod._parameters[n]) not in covered]
-                if names:
-                    hook = ParameterHook(self, mod, name or "<root>", names)
-                    covered |= {id(p) for p in hook.params_}
-                    mod.forward = hook
-                    self.hooks.append(hook)
         try:
+            self.hooks, covered, owned = attach_hooks(self, self.module)
             check_coverage(self.module, covered, owned)
         except UnsupportedLayerError:
             self.detach()
@@ -143,7 +118,7 @@ class PerSampleEngine:
     def zero3_leaf_types(self) -> list[type]:
         """Module types whose rule reads child modules' weights without calling them (e.g. attention's
         ``out_proj``): ZeRO-3 must gather them as one leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
-        return sorted({type(h.module) for h in self.hooks if h.rule.owned_children},
+        return sorted({type(h.module) for h in self.hooks if h.rule.owned_children or getattr(h, "zero3_leaf", False)},
                       key=lambda t: t.__name__)
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
@@ -266,6 +241,7 @@ class PerSampleEngine:
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
         if not self.clipping_now():
+            self._record_call(hook, (x, *extra[0]), extra[1])
             return hook.original_forward(x, extra)
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
@@ -289,6 +265,11 @@ class PerSampleEngine:
             )
         self._register_site(hook)
         return run_call(hook, x, hook.rule.params(hook.module), extra)
+
+    def _record_call(self, hook: LayerHook, args: tuple, kwargs: dict) -> None:
+        """A call of an attached layer while the engine does not clip: recorded while the layout check runs."""
+        if self._layout is not None:
+            self._layout.record(hook, args, kwargs)
 
     def _register_site(self, hook: LayerHook) -> None:
         for k in hook.groups:
