@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -84,6 +84,7 @@ class PerSampleEngine:
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
         self._layout = None  # the layout check's recorder while it runs (layout.py)
+        self.layout_verified = False  # every rank passed the layout check with two or more examples
         self._guards: list = []
         self.active = False
         # Set per micro-batch by the caller (see ``micro_batch``):
@@ -265,6 +266,31 @@ class PerSampleEngine:
             )
         self._register_site(hook)
         return run_call(hook, x, hook.rule.params(hook.module), extra)
+
+    def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
+                     collectives: Any = None) -> bool:
+        """Prove, before the first update, that every layer's input is batch first and per example: two
+        forwards without gradients, the second on the micro-batch re-indexed (``layout.py``). Call it with the
+        micro-batch before its training forward until it returns True (``layout_verified``: every rank has
+        passed it with two or more examples); the strategy does so at each fit.
+
+        Args:
+            run_forward: ``run_forward(index)`` runs the forward and loss on the micro-batch, every tensor of
+                it whose first dimension is B indexed by ``index`` (``None``: unchanged), e.g.
+                ``lambda i: loss_fn(model(x if i is None else x[i]), y)``; ``layout.reindex_batch`` does it
+                for any batch structure.
+            batch_size: B.
+            collectives: the ranks (any Lightning strategy); ``None`` for one process.
+
+        Raises:
+            UnsupportedLayerError: naming each layer whose input is not batch first and per example (time
+                first, shared by every example, mixing examples) and the fix.
+        """
+        from .layout import run_layout_check
+
+        if not self.layout_verified:
+            self.layout_verified = run_layout_check(self, run_forward, batch_size, collectives)
+        return self.layout_verified
 
     def _record_call(self, hook: LayerHook, args: tuple, kwargs: dict) -> None:
         """A call of an attached layer while the engine does not clip: recorded while the layout check runs."""
