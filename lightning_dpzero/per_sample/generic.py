@@ -298,9 +298,9 @@ class GenericFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         tensors, params = saved[:n], saved[n:]
         wanted = [bool(ctx.needs_input_grad[2 + k]) and t.is_floating_point() for k, t in enumerate(tensors)]
-        if all(g is None for g in grads):
+        if call.b == 0 or all(g is None for g in grads):
             per = [torch.zeros(call.b, *param_shape(p), dtype=torch.float32, device=p.device) for p in params]
-            gin: list[Any] = [None] * n
+            gin: list[Any] = [torch.zeros_like(t) if w else None for t, w in zip(tensors, wanted)]
         else:
             per, gin = hook.per_example(call, [p.detach() for p in params], [t.detach() for t in tensors],
                                         list(grads), wanted)
