@@ -4,8 +4,8 @@
 These classes differ only in the dtype casts and in whether the weight multiplies as ``w`` or ``1 + w``
 (Gemma): ``out = (c + w) ⊙ x̂`` with ``x̂ = x / sqrt(mean(x²) + eps)`` over the last dimension and c = 0 or 1.
 Either way example i's weight gradient is ``Σ_positions x̂ ⊙ g`` (computed in fp32), as for ``nn.RMSNorm``;
-the forward is the class's own (its casts as written). This rule is about 1.7× faster than the generic rule
-on such a layer (``benchmarks/per_layer.py``). Before training, :meth:`HFRMSNormRule.check` runs the class's
+the forward is the class's own (its casts as written). It is faster than the generic rule on such a layer
+(``benchmarks/per_layer.py``: LlamaRMSNorm d=256, T=128, B=16, 1.51× non-DP against 1.71×). Before training, :meth:`HFRMSNormRule.check` runs the class's
 forward on a random input and weight and requires that identity (c = 0 or 1); a class that computes anything
 else (a future version, a same-named class of another model) gets the generic rule instead.
 """
