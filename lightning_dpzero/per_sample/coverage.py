@@ -12,10 +12,12 @@ Each module with trainable parameters of its own gets, in this order:
 5. otherwise none: the parameters are refused, one line per module class with the reason and the fix.
 
 Refusals name each module class once (a 32-layer model prints one line per cause, not one per parameter).
+The guard on every covered parameter (I5 at run time) is installed here too.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .base import LayerHook, RuleDoesNotApply, UnsupportedLayerError
@@ -146,3 +148,31 @@ def check_coverage(module: nn.Module, covered: set[int], owned: set[int]) -> Non
     raise UnsupportedLayerError(
         "Differential privacy needs a clipped per-example gradient for every trainable parameter, "
         "but these are not covered:\n  - " + "\n  - ".join(out))
+
+
+# ---------------------------------------------------------------- the guard (docs/design.md, I5 at run time)
+def install_guards(engine, named) -> list:
+    """A hook on every covered parameter (``named``: (name, parameter)) checks, in each backward, that the
+    gradient about to be accumulated is exactly what the engine's sites returned: a use of the parameter
+    outside its layer (``F.linear(h, emb.weight)`` for a tied head, a class token used in ``training_step``)
+    or a forward that skipped the engine (the module in ``eval()`` mode while training) would otherwise add
+    an unclipped, non-private gradient silently. Returns the hook handles."""
+    return [p.register_hook(_guard(engine, name, p)) for name, p in named]
+
+
+def _guard(engine, name: str, p):
+    def check(grad) -> None:
+        if not engine.active:
+            return
+        emitted = engine._emitted.pop(id(p), None)
+        if emitted is grad or (emitted is not None and emitted.shape == grad.shape
+                               and torch.equal(emitted.to(grad.dtype), grad)):
+            return
+        raise UnsupportedLayerError(
+            f"Parameter '{name}' received a gradient that did not pass through per-example clipping, which "
+            "would make training non-private. Either it is used outside the forward of the layer that owns "
+            "it (e.g. a tied output head computed as F.linear(h, embedding.weight): call the layer, or use "
+            "an nn.Linear whose weight is the embedding's), or the model's forward ran without the engine "
+            "(module in eval() mode or under a custom autograd path during training).")
+    return check
+

@@ -5,6 +5,7 @@ Usage without Lightning (the functional API the strategy uses)::
 
     engine = PerSampleEngine(model, max_grad_norm=1.0, clipping="layer-wise")
     engine.attach()
+    engine.check_layout(lambda i: model(x if i is None else x[i]).pow(2).mean(), B)  # once, before training
     with engine.micro_batch(batch_size=B):           # loss = mean of the B per-example losses
         model(x).pow(2).mean().backward()
     # every trainable p.grad now holds Σ_i clip(g_i)  (the *sum* of clipped per-example gradients)
@@ -36,7 +37,7 @@ from torch import nn
 from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
-from .coverage import attach_hooks, check_batch_mixing, check_coverage
+from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
 
@@ -109,7 +110,7 @@ class PerSampleEngine:
         except UnsupportedLayerError:
             self.detach()
             raise
-        self._install_guards()
+        self._guards = install_guards(self, self._trainable_named())
         self.active = True
         if self.clipping != "group-wise" or self._group_spec is not None:
             self.set_groups(self._group_spec, self._group_norms)
@@ -118,9 +119,10 @@ class PerSampleEngine:
     @property
     def zero3_leaf_types(self) -> list[type]:
         """Module types whose rule reads child modules' weights without calling them (e.g. attention's
-        ``out_proj``): ZeRO-3 must gather them as one leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
-        return sorted({type(h.module) for h in self.hooks if h.rule.owned_children or getattr(h, "zero3_leaf", False)},
-                      key=lambda t: t.__name__)
+        ``out_proj``), or whose generic rule re-runs their forward in backward: ZeRO-3 must gather them as one
+        leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
+        leaves = {type(h.module) for h in self.hooks if h.rule.owned_children or getattr(h, "zero3_leaf", False)}
+        return sorted(leaves, key=lambda t: t.__name__)
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]  # tied: first name
@@ -168,32 +170,6 @@ class PerSampleEngine:
         for handle in self._guards:
             handle.remove()
         self.hooks, self._guards, self.active = [], [], False
-
-    # ---------------------------------------------------------------- guard (docs/design.md, I5 at run time)
-    def _install_guards(self) -> None:
-        """A hook on every covered parameter checks, in each backward, that the gradient about to be
-        accumulated is exactly what the engine's sites returned: a use of the parameter outside its layer
-        (``F.linear(h, emb.weight)`` for a tied head, a class token used in ``training_step``) or a forward
-        that skipped the engine (the module in ``eval()`` mode while training) would otherwise add an
-        unclipped, non-private gradient silently."""
-        for name, p in self._trainable_named():
-            self._guards.append(p.register_hook(self._guard(name, p)))
-
-    def _guard(self, name: str, p: nn.Parameter):
-        def check(grad: torch.Tensor) -> None:
-            if not self.active:
-                return
-            emitted = self._emitted.pop(id(p), None)
-            if emitted is grad or (emitted is not None and emitted.shape == grad.shape
-                                   and torch.equal(emitted.to(grad.dtype), grad)):
-                return
-            raise UnsupportedLayerError(
-                f"Parameter '{name}' received a gradient that did not pass through per-example clipping, which "
-                "would make training non-private. Either it is used outside the forward of the layer that owns "
-                "it (e.g. a tied output head computed as F.linear(h, embedding.weight): call the layer, or use "
-                "an nn.Linear whose weight is the embedding's), or the model's forward ran without the engine "
-                "(module in eval() mode or under a custom autograd path during training).")
-        return check
 
     def clipping_now(self) -> bool:
         """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
@@ -285,6 +261,13 @@ class PerSampleEngine:
         Raises:
             UnsupportedLayerError: naming each layer whose input is not batch first and per example (time
                 first, shared by every example, mixing examples) and the fix.
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            >>> engine = PerSampleEngine(model).attach()
+            >>> x = torch.randn(5, 4)
+            >>> engine.check_layout(lambda i: model(x if i is None else x[i]).sum(), batch_size=5)
+            True
         """
         from .layout import run_layout_check
 
