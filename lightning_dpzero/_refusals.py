@@ -70,6 +70,17 @@ def warn_injected_batch_size_one(dataloader) -> None:
             "replaces the sampling anyway), or set Trainer(use_distributed_sampler=False) to have it refused.")
 
 
+def warn_layout_check_off(layout_check: bool) -> bool:
+    """``layout_check`` as given; ``False`` warns what is then no longer proven."""
+    if not layout_check:
+        rank_zero_warn(
+            "layout_check=False: the strategy does not prove that every layer's input is batch first and per "
+            "example. A time-first activation (T, B, d) with T == B, or an input shared by every example (T5's "
+            "relative attention bias with L == B), would then train with wrong per-example gradients and release "
+            "non-private updates without an error.")
+    return bool(layout_check)
+
+
 def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
     """Micro-batches an epoch runs under ``Trainer(limit_train_batches=...)`` (an int: at most that many; a
     fraction below 1: that share)."""

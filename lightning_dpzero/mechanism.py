@@ -291,6 +291,14 @@ class DPMechanism:
             out = run()
         return self.check_finite_loss(_zero_loss(out), step, epoch)
 
+    def check_layout(self, rerun: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int], *,
+                     module: Any = None) -> bool:
+        """The engine's layout check (:meth:`PerSampleEngine.check_layout`) over the run's ranks, ``module``'s
+        ``log``/``log_dict`` calls dropped during its forwards; ``rerun(index)`` runs the micro-batch's
+        ``training_step`` on the batch re-indexed by ``index``."""
+        with _logging_suppressed(module):
+            return self.engine.check_layout(rerun, batch_size, self.collectives)
+
     def check_finite_loss(self, out: Any, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
         """Stop on a NaN/inf loss (any rank; all ranks agree in one all-reduce), with the step charged.
 

@@ -32,6 +32,7 @@ from .checkpoints import CheckpointProtocol
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_group_thresholds
+from .per_sample.layout import reindex_batch
 
 
 class _OfMechanism:
@@ -71,6 +72,8 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         seed: seed of noise and sampling when not in secure mode; ``None`` draws one from OS entropy.
         loss_reduction: ``"mean"`` (``training_step`` returns the mean of per-example losses) or ``"sum"``.
+        layout_check: prove at the first micro-batch, with two extra forwards, that every layer's input is batch
+            first and per example (``PerSampleEngine.check_layout``). ``False`` skips it, with a warning.
 
     Raises:
         ValueError: bad settings, when constructed (a YAML config with a bad string option fails when parsed).
@@ -99,7 +102,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  clipping_groups: Optional[Union[Literal["param_groups"], list[list[str]]]] = None,
                  group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
-                 loss_reduction: LossReduction = "mean", **kwargs: Any) -> None:
+                 loss_reduction: LossReduction = "mean", layout_check: bool = True, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
@@ -117,6 +120,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if group_max_grad_norms is not None:
             validate_group_thresholds(group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
+        self.layout_check = _refusals.warn_layout_check_off(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
@@ -201,13 +205,16 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
 
-        def run():
+        def run(batch_args=args):
             with _refusals.explain_released_parameters(self.zero_stage):
-                return super(DPDeepSpeedStrategy, self).training_step(*args, **kwargs)
+                return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
 
-        out = self.mechanism.training_step(run, extract_batch_size(args[0]) if args else None,
-                                           module=self.lightning_module, step=trainer.global_step + 1,
-                                           epoch=trainer.current_epoch)
+        batch_size = extract_batch_size(args[0]) if args else None
+        if self.layout_check and args and not self.per_sample.layout_verified:  # before the first update
+            self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), batch_size,
+                                        module=self.lightning_module)
+        out = self.mechanism.training_step(run, batch_size, module=self.lightning_module,
+                                           step=trainer.global_step + 1, epoch=trainer.current_epoch)
         self._fit_loop.after_micro_batch()
         return out
 

@@ -39,9 +39,12 @@ class Module(L.LightningModule):
         self.net = build_model(case["model"])
         self.seen = []
 
+    def on_train_batch_start(self, batch, batch_idx):
+        # here, not in training_step, which the strategy's layout check runs twice more (once re-indexed)
+        self.seen.append([int(self.global_step), batch[2].tolist()])
+
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
-        self.seen.append([int(self.global_step), idx.tolist()])
         out = self.net(x)
         if self.case.get("zero_loss"):
             return (out * 0.0).sum() / max(len(x), 1)
