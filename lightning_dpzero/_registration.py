@@ -1,28 +1,42 @@
 """The ``dp_deepspeed*`` strategy names in Lightning's ``StrategyRegistry``, without importing Lightning first.
 
 ``import lightning_dpzero`` must register the names (``Trainer(strategy="dp_deepspeed_stage_3")``), but
-importing Lightning costs seconds that ``lightning-dpzero ledger ...`` and ``plan`` do not need. Registering
-means importing ``lightning_dpzero.strategy``, which registers the names at its end. So: when
-``lightning.pytorch`` is imported already, import the strategy module now; otherwise a one-shot import hook
-(a ``sys.meta_path`` finder) does it right after ``lightning.pytorch`` has finished importing, before any
-``Trainer`` can be built. Nothing else is changed about how Lightning is imported.
+importing Lightning costs seconds that ``lightning-dpzero ledger ...`` and ``plan`` do not need. So: when
+``lightning.pytorch`` is imported already, register now; otherwise a one-shot import hook (a ``sys.meta_path``
+finder) does it right after ``lightning.pytorch`` has finished importing, before any ``Trainer`` can be built.
+Nothing else is changed about how Lightning is imported.
+
+What is registered first is :func:`_build`, which imports ``lightning_dpzero.strategy`` only when a Trainer asks
+for one of the names: the hook can fire in the middle of importing any module of the package that imports
+Lightning (``checkpoints/protocol.py``, say), when ``strategy.py``'s own imports of that module would find it
+half-initialised. ``strategy.py`` replaces :func:`_build` by the class itself when it is imported.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import importlib.util
 import sys
 
+from ._strategy_names import register_names
+
 _TRIGGER = "lightning.pytorch"
-_STRATEGY_MODULE = "lightning_dpzero.strategy"
+
+
+def _build(**kwargs):
+    """``DPDeepSpeedStrategy(**kwargs)``, importing it (what a name stands for until ``strategy.py`` is imported)."""
+    from .strategy import DPDeepSpeedStrategy
+
+    return DPDeepSpeedStrategy(**kwargs)
+
+
+_build.builds_dp_strategy = True  # strategy.py's registration replaces it (_strategy_names.register_names)
 
 
 def _register() -> None:
-    # A module that is importing already (the hook fired inside ``strategy.py``'s own import of Lightning) is
-    # returned as it is; it registers the names when it finishes.
-    importlib.import_module(_STRATEGY_MODULE)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register_names(StrategyRegistry, _build)
 
 
 def _imported(name: str) -> bool:

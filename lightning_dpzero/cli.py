@@ -20,9 +20,9 @@ fraction of a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import pickle
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -82,32 +82,9 @@ def _load(json_path: Path) -> "PrivacyLedger":
         raise CLIError(f"cannot read {json_path}: {exc}") from exc
 
 
-def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, "PrivacyLedger"], str]:
-    """The ledgers stored in the checkpoint's DeepSpeed client state, by where they were found, and a note.
-
-    Loaded with ``weights_only=True`` (no code runs while unpickling; ``mmap`` so the weights are not read),
-    which works for the files DPDeepSpeedStrategy writes. Only when that is refused (the user's module put
-    other Python objects into the checkpoint) *and* the user passed ``--trust-checkpoint`` does it fall back
-    to ``weights_only=False``, which can run arbitrary code from the file: for trusted local files only.
-    """
-    from .accounting import LedgerIntegrityError
-    from .checkpoints.reader import CheckpointReadError, client_state_ledgers, model_states_file
-
-    try:
-        return client_state_ledgers(ckpt_dir, trust=trust)
-    except pickle.UnpicklingError as exc:
-        why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
-        return {}, (f"client state: not compared ({model_states_file(ckpt_dir).name} needs full unpickling, which "
-                    f"can run code from the file; pass --trust-checkpoint for a checkpoint you trust). {why}")
-    except CheckpointReadError as exc:
-        raise CLIError(str(exc)) from exc
-    except LedgerIntegrityError as exc:
-        raise CLIError(f"TAMPERED or corrupt ledger in the client state of {ckpt_dir}: {exc}") from exc
-
-
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_show(args) -> int:
-    """Print the ledger's metadata, entries, total steps, ε (PLD, exact) and ε (RDP)."""
+    """Print the ledger's metadata, entries, total steps, ε (PLD, or RDP where tighter) and ε (RDP)."""
     from .ledger_report import ledger_lines, ledger_summary
 
     json_path, _ = _resolve(args.path)
@@ -117,34 +94,49 @@ def cmd_show(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    """Check the hash chain, recompute ε, and compare with the checkpoint's client-state copies."""
-    from .checkpoints.reader import same_ledger
+    """Check the hash chain and recompute ε; for a checkpoint directory, run the checks loading runs
+    (:func:`~lightning_dpzero.checkpoints.verify.verify_directory`: commit marker, file digests, the ledger copies
+    against each other and the marker, the ledger's steps against the weights' step count)."""
     from .ledger_report import format_epsilon
 
     json_path, ckpt_dir = _resolve(args.path)
     ledger = _load(json_path)  # verifies the hash chain and the head
     eps = ledger.epsilon()
-    note = ""
-    if ckpt_dir is not None:
-        copies, note = _client_state_ledgers(ckpt_dir, args.trust_checkpoint)
-        for where, other in copies.items():
-            if not same_ledger(other, ledger):
-                raise CLIError(f"MISMATCH: {json_path} (run {ledger.run_id}, {ledger.steps} steps) and the ledger "
-                               f"in {where} (run {other.run_id}, {other.steps} steps) disagree; the checkpoint was "
-                               "edited or mixed with another run.")
-        if copies:
-            note = f"client state: matches ({', '.join(copies)})"
+    notes, covers = [], ""
+    if ckpt_dir is not None:  # a checkpoint directory: its checks read the weights' files (torch)
+        from .accounting import LedgerIntegrityError
+        from .checkpoints.commit import CheckpointIntegrityError, IncompleteCheckpointError
+        from .checkpoints.reader import CheckpointReadError
+        from .checkpoints.verify import verify_directory
+
+        try:
+            # the pre-scan imports DeepSpeed, whose log lines are not part of the report
+            with contextlib.redirect_stdout(sys.stderr):
+                commit, verified = verify_directory(ckpt_dir, trust=args.trust_checkpoint, unsafe_as_note=True)
+        except IncompleteCheckpointError as exc:
+            raise CLIError(f"INCOMPLETE: {exc}") from exc
+        except CheckpointIntegrityError as exc:
+            raise CLIError(f"MISMATCH: {exc}") from exc
+        except LedgerIntegrityError as exc:
+            raise CLIError(f"TAMPERED or corrupt ledger in {ckpt_dir}: {exc}") from exc
+        except (CheckpointReadError, ValueError) as exc:
+            raise CLIError(str(exc)) from exc
+        if verified.compared:
+            notes.append(f"client state: matches ({', '.join(verified.compared)})")
+        notes += [n for n in verified.note.splitlines() if n]
+        covers = (f", covering the weights' {verified.weights_steps} steps; commit marker and "
+                  f"{len(commit['files'])} files verified")
     print(f"OK {json_path}: run {ledger.run_id}, {ledger.steps} steps in {len(ledger.entries)} entries, "
           f"N={ledger.dataset_size}, epsilon={format_epsilon(eps)} ({ledger.accountant}) at delta={ledger.delta!r}, "
-          f"hash chain intact (head {ledger.head[:16]})")
-    if note:
+          f"hash chain intact (head {ledger.head[:16]}){covers}")
+    for note in notes:
         print(note)
     return 0
 
 
 def epsilon_curve(ledger: "PrivacyLedger", points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
-    """ε (exact) after t steps, at about ``points`` step counts: :func:`lightning_dpzero.ledger_report.epsilon_curve`."""
+    """ε after t steps, at about ``points`` step counts: :func:`lightning_dpzero.ledger_report.epsilon_curve`."""
     from .ledger_report import epsilon_curve as curve
 
     return curve(ledger, points, accountant)
@@ -176,11 +168,12 @@ def _ledger_parser() -> argparse.ArgumentParser:
     show.add_argument("path", help=path_help)
     show.add_argument("--json", action="store_true", help="print a JSON summary instead")
     show.set_defaults(func=cmd_show)
-    verify = sub.add_parser("verify", help="check the hash chain and the checkpoint's copies; exit 1 if not OK")
+    verify = sub.add_parser("verify", help="check the hash chain and, for a checkpoint directory, what resuming "
+                                           "checks (marker, files, ledger copies, steps); exit 1 if not OK")
     verify.add_argument("path", help=path_help)
     verify.add_argument("--trust-checkpoint", action="store_true",
-                        help="allow full unpickling (weights_only=False) of the model-states file when needed; "
-                             "it can run code from the file: trusted files only")
+                        help="skip the weights_only pre-scan and allow full unpickling (weights_only=False) of the "
+                             "model-states file; it can run code from the file: trusted files only")
     verify.set_defaults(func=cmd_verify)
     plot = sub.add_parser("plot", help="plot epsilon against steps to a PNG (needs matplotlib)")
     plot.add_argument("path", help=path_help)

@@ -40,16 +40,27 @@ def format_epsilon(eps: float) -> str:
 
 
 def ledger_summary(ledger: "PrivacyLedger") -> dict:
-    """The ledger's metadata, entries, steps and ε (its accountant's, PLD and RDP; exact) as a JSON-able dict
-    (an infinite ε as ``None``)."""
+    """The ledger's metadata, entries, steps and ε (its accountant's and which bound gave it, PLD and RDP, the
+    PLD grid) as a JSON-able dict (an infinite ε as ``None``)."""
     out = {"run_id": ledger.run_id, "dataset_size": ledger.dataset_size, "delta": ledger.delta,
            "accountant": ledger.accountant,
            "entries": [{"sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier,
                         "steps": e.steps, "sampler": e.sampler} for e in ledger.entries],
-           "steps": ledger.steps, "epsilon": ledger.epsilon(),
+           "steps": ledger.steps, "epsilon": ledger.epsilon(), "epsilon_method": ledger.epsilon_bound().method,
            "epsilon_pld": ledger.epsilon(accountant="pld"), "epsilon_rdp": ledger.epsilon(accountant="rdp"),
+           "value_discretization_interval": ledger.epsilon_bound(accountant="pld").value_discretization_interval,
            "versions": dict(ledger.versions), "head": ledger.head}
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in out.items()}
+
+
+def bound_origin(bound) -> str:
+    """Which bound gave an epsilon (an :class:`~lightning_dpzero.accounting.EpsilonBound`), in words."""
+    if bound.method == "rdp" and bound.pld is not None:
+        return f"RDP bound, tighter than the PLD bound {bound.pld!r} here"
+    if bound.method == "pld":
+        return f"PLD bound on a {bound.value_discretization_interval:g}-nat grid"
+    return {"none": "exact: no step, or delta covers the chance an example is ever used",
+            "sigma=0": "no noise"}.get(bound.method, bound.method)
 
 
 def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
@@ -72,8 +83,8 @@ def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
     lines += [f"  {i:>3}  {e.sample_rate!r:>22}  {e.noise_multiplier!r:>24}  {e.steps:>9}  {e.sampler}"
               for i, e in enumerate(ledger.entries, 1)]
     lines += [f"total steps:      {ledger.steps}",
-              f"epsilon (pld):    {format_epsilon(ledger.epsilon(accountant='pld'))}  (exact, at "
-              f"delta={ledger.delta!r}){mark['pld']}",
+              f"epsilon (pld):    {format_epsilon(ledger.epsilon(accountant='pld'))}  "
+              f"({bound_origin(ledger.epsilon_bound(accountant='pld'))}, at delta={ledger.delta!r}){mark['pld']}",
               f"epsilon (rdp):    {format_epsilon(ledger.epsilon(accountant='rdp'))}{mark['rdp']}",
               f"versions:         {versions}",
               f"hash head:        {ledger.head}"]
@@ -82,7 +93,7 @@ def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
 
 def epsilon_curve(ledger: "PrivacyLedger", points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
-    """ε (exact, dp-accounting) after t steps, at about ``points`` step counts t from 0 to the total,
+    """ε (``compute_epsilon``) after t steps, at about ``points`` step counts t from 0 to the total,
     always including every entry boundary. Returns (steps, epsilons)."""
     from .accounting import LedgerEntry, compute_epsilon
 
@@ -124,7 +135,7 @@ def plot_epsilon(ledger: "PrivacyLedger", output, accountants: Sequence[str] = (
     ax = fig.add_subplot()
     for acc in accountants:
         xs, ys = epsilon_curve(ledger, points, acc)
-        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=f"{acc.upper()}" + (" (exact)" if acc == "pld" else ""))
+        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=acc.upper())
     t = 0
     for e in ledger.entries[:-1]:
         t += e.steps

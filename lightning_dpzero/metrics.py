@@ -219,7 +219,7 @@ class PrivacyRunLogger(Callback):
       ``wandb.Artifact`` of type ``"privacy-ledger"`` (metadata: ε, δ, steps, run id, hash head) and a copy among
       the run's files (``files/privacy_ledger.json`` of the run directory), and for
       any logger with a ``log_dir`` a copy of the file there. The run's summary also gets the final
-      ``epsilon`` (exact, PLD/RDP as configured).
+      ``epsilon`` (the ledger's, PLD/RDP as configured).
 
     Use it beside :class:`~lightning_dpzero.PrivacyAccountantCallback` (which logs ε etc. per step).
 

@@ -1,7 +1,7 @@
 """DP checkpoints: the names of their files, the commit marker, safe loading, the save/load protocol, and the
 export of consolidated weights with their ledger (docs/design.md, *Checkpoints*; docs/reliability.md).
 
-* :func:`verify_checkpoint` checks a checkpoint directory without loading it;
+* :func:`verify_checkpoint` checks a checkpoint directory without loading it (the checks loading runs);
 * :func:`convert_zero_checkpoint_with_ledger` exports fp32 weights with the ledger, :func:`exported_ledger`
   verifies such an export, :func:`checkpoint_ledger` reads a checkpoint directory's verified ledger;
 * :class:`CheckpointProtocol` is what :class:`~lightning_dpzero.DPDeepSpeedStrategy` saves and loads with.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "CheckpointIntegrityError": "commit", "IncompleteCheckpointError": "commit", "verify_checkpoint": "commit",
+    "CheckpointIntegrityError": "commit", "IncompleteCheckpointError": "commit", "verify_checkpoint": "verify",
     "ExportedCheckpoint": "export", "convert_zero_checkpoint_with_ledger": "export", "exported_ledger": "export",
     "COMMIT_FILE": "format", "INCOMPLETE_FILE": "format", "LEDGER_FILE": "format", "LEDGER_KEY": "format",
     "CheckpointProtocol": "protocol",
@@ -36,9 +36,10 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
 
 
 if TYPE_CHECKING:
-    from .commit import CheckpointIntegrityError, IncompleteCheckpointError, verify_checkpoint
+    from .commit import CheckpointIntegrityError, IncompleteCheckpointError
     from .export import ExportedCheckpoint, convert_zero_checkpoint_with_ledger, exported_ledger
     from .format import COMMIT_FILE, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY
     from .protocol import CheckpointProtocol
     from .reader import CheckpointReadError, checkpoint_ledger, client_state_ledgers, ledgers_in_state
     from .safe_load import UnsafeCheckpointError
+    from .verify import verify_checkpoint
