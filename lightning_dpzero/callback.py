@@ -314,12 +314,13 @@ class PrivacyAccountantCallback(Callback):
         return line
 
     def _end_line(self, trainer) -> str:
-        """One line: the exact ε spent, and the checkpoint that holds this ledger (rank 0, at the end of fit)."""
+        """One line: the ε spent (the ledger's, as ``ledger show`` prints it) and the checkpoint that holds this
+        ledger (rank 0, at the end of fit)."""
         ledger = self.ledger
         target = f", target {self.target_epsilon:g}" if self.target_epsilon is not None else ""
         eps = self.epsilon()
         line = (f"DP-SGD: {ledger.steps} steps, epsilon={'inf' if math.isinf(eps) else f'{eps:.6g}'} "
-                f"({self.accountant}, exact) at delta={self.delta:g}{target}")
+                f"({self.accountant}) at delta={self.delta:g}{target}")
         found = _checkpoint_with(trainer, ledger)
         if found is not None:
             path, steps = found

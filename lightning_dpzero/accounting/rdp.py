@@ -12,6 +12,7 @@ step count. :func:`rdp_epsilon` adds the scaled curves in ledger order, starting
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -30,7 +31,8 @@ def _curve(q: float, sigma: float, orders: tuple | None) -> np.ndarray:
     """RDP of one Poisson-subsampled Gaussian step at ``orders`` (``RdpAccountant``'s default orders when
     None), read-only."""
     acc = dp_accounting.rdp.RdpAccountant(orders=None if orders is None else list(orders))
-    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), 1)
+    with _quiet_absl():
+        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), 1)
     curve = acc.rdp
     curve.setflags(write=False)
     return curve
@@ -43,14 +45,27 @@ def _orders(orders: tuple | None) -> np.ndarray:
 
 class _QuietNegativeRdp(logging.Filter):
     """dp-accounting logs (via absl) a warning for each negative Renyi divergence from round-off in extreme
-    settings and treats it as epsilon 0 at that order; the minimum over the other orders is still an upper
-    bound, so the message is noise for a ledger evaluated at every step."""
+    settings and treats it as epsilon 0 at that order, and one for each fractional order whose series does not
+    converge (``_compute_log_a_frac failed to converge ... Excluding this order``), which it then leaves out;
+    the minimum over the other orders is still an upper bound, so the messages are noise for a ledger evaluated
+    at every step (a user cannot act on them)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Negative Renyi divergence" not in record.getMessage()
+        message = record.getMessage()
+        return "Negative Renyi divergence" not in message and "Excluding this order" not in message
 
 
 _FILTER = _QuietNegativeRdp()
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    logger = logging.getLogger("absl")
+    logger.addFilter(_FILTER)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_FILTER)
 
 
 def rdp_epsilon(runs: tuple, delta: float, orders: tuple | None = None) -> float:
@@ -61,9 +76,5 @@ def rdp_epsilon(runs: tuple, delta: float, orders: tuple | None = None) -> float
     total = np.zeros_like(grid, dtype=np.float64)
     for q, sigma, steps in runs:
         total += steps * _curve(q, sigma, orders)
-    logger = logging.getLogger("absl")
-    logger.addFilter(_FILTER)
-    try:
+    with _quiet_absl():
         return float(_rdp.compute_epsilon(grid, total, delta)[0])
-    finally:
-        logger.removeFilter(_FILTER)
