@@ -64,9 +64,9 @@ class PrivacyAccountantCallback(Callback):
     0 before the first step, nothing is logged during the sanity check, and with σ = 0 it is ``inf``.
     Its state (saved in every checkpoint) is the ledger.
 
-    Rank 0 prints one line with the
-    privacy plan when training starts (σ, q, expected batch, planned steps, target ε, δ, N) and one with the exact ε
-    spent (and the checkpoint that holds the ledger) when fit ends.
+    Rank 0 prints one line with the privacy plan when training starts (σ, q, expected batch, planned steps,
+    target ε, δ, N) and one with the ε spent (the ledger's, and the checkpoint that holds the ledger) when fit
+    ends.
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy (one with a ``mechanism``, a DPMechanism).

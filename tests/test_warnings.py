@@ -86,5 +86,7 @@ def test_a_yaml_run_prints_no_future_warning(tmp_path):
                      "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=1", "--trainer.enable_progress_bar=false",
                      f"--trainer.default_root_dir={tmp_path}"], ROOT)
     assert [ln for ln in lines if WARNING.search(ln)] == []
+    # dp-accounting's RDP logs (absl) the orders it drops while sigma is calibrated; epsilon is still a bound
+    assert [ln for ln in lines if ln.startswith("WARNING:absl:")] == []
     assert sum(ln.startswith("DP-SGD: sigma=") for ln in lines) == 1
     assert any(ln.startswith("DP-SGD: 6 steps") and str(tmp_path / "checkpoints" / "last.ckpt") in ln for ln in lines)
