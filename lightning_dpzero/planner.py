@@ -96,12 +96,17 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     Args:
         dataset_size: N, examples in the training set (all ranks).
         batch_size: B, the training DataLoader's ``batch_size`` (per device).
-        devices, num_nodes: as the Trainer's; W = devices × num_nodes.
+        devices: as the Trainer's; W = devices × num_nodes processes.
+        num_nodes: as the Trainer's.
         accumulate_grad_batches: K.
-        max_epochs, max_steps: as the Trainer's (``max_steps`` > 0 wins; None or <= 0: not bounded by it).
+        max_epochs: as the Trainer's.
+        max_steps: as the Trainer's (``max_steps`` > 0 wins over ``max_epochs``; None or <= 0: not bounded by
+            it).
         limit_train_batches: as the Trainer's (an int caps the micro-batches of an epoch, a fraction scales them).
         noise_multiplier: σ; None calibrates it to ``target_epsilon`` over the planned steps.
-        target_epsilon, delta, accountant: as :class:`~lightning_dpzero.PrivacyAccountantCallback`'s.
+        target_epsilon: as :class:`~lightning_dpzero.PrivacyAccountantCallback`'s.
+        delta: as the callback's.
+        accountant: as the callback's (``"pld"`` or ``"rdp"``).
         poisson_sampling: as the strategy's (False: shuffled fixed-size batches, accounted as if Poisson).
 
     Raises:
@@ -111,7 +116,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     Example:
         >>> run = plan_run(60_000, 256, max_epochs=3, noise_multiplier=1.1)
         >>> run.plan.sample_rate == 256 / 60_000, run.plan.planned_steps, round(run.epsilon_pld, 2)
-        (True, 702, 0.51)
+        (True, 702, 0.5)
     """
     from .accounting import BudgetGuard, PrivacyLedger, epsilon_for
     from .privacy_plan import PrivacyPlan, limited_micro_batches
