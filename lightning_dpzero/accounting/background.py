@@ -21,8 +21,8 @@ of a run charges the plan's (q, σ, sampler), so the ledger after k more steps i
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
-import pickle
 import subprocess
 import sys
 import threading
@@ -93,6 +93,19 @@ class Answerer:
     def __init__(self, tracker: EpsilonTracker, guard: Optional[BudgetGuard], second_accountant: Optional[str]):
         self.tracker, self.guard, self.second = tracker, guard, second_accountant
 
+    def settings(self) -> dict:
+        """What a worker process needs to build an equal answerer (:meth:`from_settings`); its caches are not
+        sent: an answer is a pure function of its ledger, recomputed there."""
+        t = self.tracker
+        return {"growth": t.growth, "exact_below": t.exact_below,
+                "target_epsilon": None if self.guard is None else self.guard.target_epsilon, "second": self.second}
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "Answerer":
+        tracker = EpsilonTracker(growth=settings["growth"], exact_below=settings["exact_below"])
+        target = settings["target_epsilon"]
+        return cls(tracker, None if target is None else BudgetGuard(target, tracker), settings["second"])
+
     def answer(self, view: LedgerView, plan: tuple) -> StepAnswers:
         """The budget's answer for one more step of ``plan`` = (q, σ, sampler), then ε of ``view``. Asking the
         budget first makes ε independent of which answers were computed before: when the tracker's bound is
@@ -113,6 +126,25 @@ class Answerer:
 
 
 
+def _encode(value: Any) -> Any:
+    """A request's or an answer's arguments as JSON values (views as their entries; Infinity allowed)."""
+    if isinstance(value, LedgerView):
+        return {"view": [[e.sample_rate, e.noise_multiplier, e.steps, e.sampler] for e in value.entries],
+                "delta": value.delta, "accountant": value.accountant}
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode_view(data: dict) -> LedgerView:
+    return LedgerView(tuple(LedgerEntry(q, s, n, k) for q, s, n, k in data["view"]), data["delta"], data["accountant"])
+
+
+def _write(stream, obj) -> None:
+    stream.write(json.dumps(obj).encode() + b"\n")
+    stream.flush()
+
+
 class WorkerLost(RuntimeError):
     """The accounting worker process exited (or could not start)."""
 
@@ -120,9 +152,9 @@ class WorkerLost(RuntimeError):
 class _ProcessPool:
     """One child process that runs :class:`Answerer` methods, with ``concurrent.futures``-like ``submit``.
 
-    Requests and answers travel as pickles over two pipes of its own (the child's stdout and stderr stay the
-    user's); answers come back in order and a reader thread resolves their futures. The child exits when the
-    request pipe closes, so it never outlives the training process."""
+    Requests and answers travel as JSON lines over two pipes of its own (the child's stdout and stderr stay the
+    user's; nothing is unpickled); answers come back in order and a reader thread resolves their futures. The
+    child exits when the request pipe closes, so it never outlives the training process."""
 
     def __init__(self, answerer: Answerer):
         req_r, req_w = os.pipe()
@@ -138,12 +170,12 @@ class _ProcessPool:
             os.close(res_w)
         self._requests = os.fdopen(req_w, "wb")
         self._results = os.fdopen(res_r, "rb")
-        self._futures: list[concurrent.futures.Future] = []
+        self._futures: list = []  # (method, future) in the order sent
         self._lock = threading.Lock()
         self._lost: Optional[str] = None
         self._reader = threading.Thread(target=self._read, name="dp-accounting-results", daemon=True)
         self._reader.start()
-        self._ready = self.submit("init", answerer)  # a copy of the tracker and the guard, their caches included
+        self._ready = self.submit("init", answerer.settings())  # the child builds its own tracker and guard
 
     @property
     def ready(self) -> bool:
@@ -156,9 +188,8 @@ class _ProcessPool:
         with self._lock:
             if self._lost is None:
                 try:
-                    pickle.dump((method, args), self._requests, protocol=pickle.HIGHEST_PROTOCOL)
-                    self._requests.flush()
-                    self._futures.append(future)
+                    _write(self._requests, [method, _encode(args)])
+                    self._futures.append((method, future))
                     return future
                 except (OSError, ValueError) as exc:
                     self._lost = f"cannot send to the accounting worker: {exc}"
@@ -168,20 +199,25 @@ class _ProcessPool:
     def _read(self) -> None:
         while True:
             try:
-                ok, value = pickle.load(self._results)
-            except (EOFError, OSError, pickle.UnpicklingError, ValueError) as exc:
+                line = self._results.readline()
+                if not line:
+                    raise EOFError
+                ok, value = json.loads(line)
+            except (EOFError, OSError, ValueError) as exc:
                 with self._lock:
                     self._lost = self._lost or f"the accounting worker process exited ({type(exc).__name__})"
                     pending, self._futures = self._futures, []
-                for future in pending:
+                for _, future in pending:
                     future.set_exception(WorkerLost(self._lost))
                 return
             with self._lock:
-                future = self._futures.pop(0)
-            if ok:
-                future.set_result(value)
+                method, future = self._futures.pop(0)
+            if not ok:
+                future.set_exception(RuntimeError(f"accounting worker: {value}"))
+            elif method == "answer":
+                future.set_result(StepAnswers(*value))
             else:
-                future.set_exception(value)
+                future.set_result(value)
 
     def shutdown(self) -> None:
         """Stop the child now: it holds nothing that is not recomputed from the ledger."""
@@ -198,27 +234,21 @@ class _ProcessPool:
 
 
 def _serve(req_fd: int, res_fd: int) -> None:
-    """The worker process: answer pickled ``(method, args)`` requests in order until the pipe closes."""
+    """The worker process: answer ``[method, args]`` JSON lines in order until the pipe closes."""
     requests, results = os.fdopen(req_fd, "rb"), os.fdopen(res_fd, "wb")
     answerer: Optional[Answerer] = None
-    while True:
-        try:
-            method, args = pickle.load(requests)
-        except EOFError:
-            return
+    for line in requests:
+        method, args = json.loads(line)
         try:
             if method == "init":
-                (answerer,), value = args, None
+                answerer, value = Answerer.from_settings(args[0]), None
             else:
-                value = getattr(answerer, method)(*args)
-            reply = (True, value)
+                value = getattr(answerer, method)(_decode_view(args[0]), *[
+                    tuple(a) if isinstance(a, list) else a for a in args[1:]])
+            reply = [True, list(value) if isinstance(value, tuple) else value]
         except Exception as exc:  # noqa: BLE001 - handed back to the training process, which raises it
-            reply = (False, exc)
-        try:
-            pickle.dump(reply, results, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - an exception that does not pickle
-            pickle.dump((False, RuntimeError(repr(exc))), results, protocol=pickle.HIGHEST_PROTOCOL)
-        results.flush()
+            reply = [False, f"{type(exc).__name__}: {exc}"]
+        _write(results, reply)
 
 
 class AccountingAhead:
