@@ -35,19 +35,6 @@ def check_trainer(trainer, deepspeed_config) -> None:
             "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
 
 
-def check_deferred_writes(needs_deferred_writes: bool, clipping: str, accumulate_grad_batches: int,
-                          zero_stage: int) -> None:
-    """A clipping group that spans layers is written at the end of the backward inside DeepSpeed's one coalesced
-    reduction per step, which cannot span accumulation micro-batches on stages 1-3."""
-    if needs_deferred_writes and accumulate_grad_batches > 1 and zero_stage >= 1:
-        raise ValueError(
-            f"clipping={clipping!r} with a clipping group that spans several layers and "
-            f"accumulate_grad_batches > 1 is supported on ZeRO stage 0 only (stage {zero_stage} reduces "
-            "such gradients in one coalesced pass per optimizer step, which DeepSpeed cannot yet span over "
-            "micro-batches). Use clipping='layer-wise', stage=0, or accumulate_grad_batches=1 with a larger "
-            "batch_size.")
-
-
 def base_optimizer(deepspeed_engine) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` DeepSpeed's wrappers step last, with this rank's fp32 partition."""
     base = deepspeed_engine.optimizer

@@ -15,7 +15,6 @@ The DP step itself is :class:`~lightning_dpzero.mechanism.DPMechanism` (``strate
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -27,6 +26,7 @@ from typing_extensions import override
 from . import _refusals
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, LossReduction, check_option
+from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
@@ -158,8 +158,6 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if fitting:
             if self.clipping_groups == "param_groups":
                 self.per_sample.set_groups(self._user_param_groups, self.group_max_grad_norms)
-            _refusals.check_deferred_writes(self.per_sample.needs_deferred_writes, self.clipping,
-                                            trainer.accumulate_grad_batches, self.zero_stage)
             self.mechanism.install_noise(_refusals.base_optimizer(self.deepspeed_engine),
                                          replicated=self.zero_stage == 0)
 
@@ -204,12 +202,9 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.mechanism.active:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        closure_loss = self.mechanism.probe_loss(closure_loss, self.lightning_module.trainer.accumulate_grad_batches,
-                                                 self.deepspeed_engine.gradient_accumulation_steps())
-        ctx = contextlib.nullcontext()
-        if self.per_sample.needs_deferred_writes and self.zero_stage >= 1:
-            ctx = self.deepspeed_engine.coalesce_grad_reduction()
-        with ctx:
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        closure_loss = self.mechanism.probe_loss(closure_loss, k, self.deepspeed_engine.gradient_accumulation_steps())
+        with deferred_writes_reduced(self.per_sample, self.deepspeed_engine, self.zero_stage, k):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

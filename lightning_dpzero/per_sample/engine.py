@@ -39,6 +39,7 @@ from .clipping import (clip_coefficients, layer_thresholds, match_groups, valida
 from .coverage import check_batch_mixing, check_coverage, has_rule_or_owner
 from .parameters import ParameterHook, broadcast_candidates
 from .registry import find_rule, owned_children
+from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
 
@@ -91,6 +92,8 @@ class PerSampleEngine:
         self.expected_batch_size: Optional[int] = None
         self.grad_scale = 1.0  # observed grad × grad_scale = gradient of the per-example loss (× B for "mean")
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
+        self.window = WindowBuffer()  # clipped sums held until an accumulation window's boundary (window.py)
+        self._window_mode = False
         self._reset_pass()
         self.reset_stats()
         self.last_norms: Optional[torch.Tensor] = None
@@ -247,6 +250,15 @@ class PerSampleEngine:
         DeepSpeed divides out before the step). See docs/design.md, *The factors on the loss*."""
         self.grad_scale, self.emit_scale = float(grad_scale), float(emit_scale)
 
+    def accumulate_window(self, boundary: bool) -> None:
+        """From now on every group's clipped sum is deferred: held in :attr:`window` (fp32) before the
+        accumulation ``boundary``, written into ``p.grad`` with what is held at it (window.py)."""
+        self._window_mode = True
+        self.window.hold = not boundary
+
+    def _returns(self, k: int, hook: LayerHook) -> bool:  # through autograd from hook's site, else deferred
+        return k in hook.returnable and not self._window_mode
+
     def new_forward(self) -> None:
         """Start of a micro-batch's forward: forget sites of an earlier forward that never ran backward."""
         self._reset_pass()
@@ -339,7 +351,7 @@ class PerSampleEngine:
     def _completes_at(self, hook: LayerHook) -> bool:
         """Every group of this site completes at it and is returned through autograd from it (layer-wise),
         so ``clipped_grads`` for this site runs right after ``norm_sq`` (see ``_complete``)."""
-        return all(self._sites_left.get(k) == 1 and k in hook.returnable for k in hook.groups)
+        return all(self._sites_left.get(k) == 1 and self._returns(k, hook) for k in hook.groups)
 
     @staticmethod
     def _add(store: dict, key: int, value: torch.Tensor) -> None:
@@ -356,7 +368,7 @@ class PerSampleEngine:
         self._total_sq = norms.pow(2) if self._total_sq is None else self._total_sq + norms.pow(2)
         coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
         records = self._records.pop(k)
-        if hook is not None and k in hook.returnable:
+        if hook is not None and self._returns(k, hook):
             return self._clipped(ids, coef, records)
         self._deferred.append((ids, coef, records))
         return {}
@@ -379,12 +391,7 @@ class PerSampleEngine:
             self._complete(k, None)
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
         for ids, coef, records in self._deferred:
-            for i, gr in self._clipped(ids, coef, records).items():
-                p = by_id[i]
-                if p.grad is None:
-                    p.grad = gr.to(p.dtype)
-                else:
-                    p.grad.add_(gr.to(p.grad.dtype).view_as(p.grad))
+            self.window.write((by_id[i], gr) for i, gr in self._clipped(ids, coef, records).items())
         total, paths = self._total_sq, self._paths
         self._reset_pass()
         if total is not None:  # a backward ran (``micro_batch`` calls this again after the queued call)
