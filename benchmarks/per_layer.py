@@ -9,6 +9,9 @@ For each layer shape, in one process and one run:
                  norm + clipped matmul, ``engine_inst``: instantiated norm + clipped matmul, ``engine_reuse``:
                  instantiate and reuse) by replacing ``paths.use_ghost``/``paths.use_reuse`` inside this
                  process only;
+* ``engine_generic`` (normalisation layers and the custom layer) the engine with the layer's dedicated rule
+                 unregistered for this process, so the generic rule (torch.func over the layer's own forward,
+                 ``per_sample/generic.py``) clips it: its cost beside the dedicated rule's;
 * ``func``       ``torch.func.vmap(grad)`` per-example gradients (parameters and input), then clipping and
                  the weighted sum;
 * ``naive``      one forward + ``autograd.grad`` per example, then clipping and the sum;
@@ -62,7 +65,24 @@ CASES = [
     dict(layer="conv2d", cin=64, cout=64, k=3, hw=8, note="late conv: T=64 patches, ghost wins"),
     dict(layer="embedding", T=128, vocab=1000, d=256, note="token embedding"),
     dict(layer="layernorm", T=128, d=256, note="LayerNorm(d)"),
+    dict(layer="rmsnorm", T=128, d=256, note="nn.RMSNorm(d): dedicated rule"),
+    dict(layer="hf_rmsnorm", T=128, d=256, note="HF LlamaRMSNorm(d): rule matched by class name"),
+    dict(layer="custom", T=128, d=256, note="a user's gated scale layer: generic rule only"),
 ]
+#: cases timed with the generic rule too (engine_generic; the custom layer has only that one)
+GENERIC_TOO = ("rmsnorm", "hf_rmsnorm")
+
+
+class GatedScale(nn.Module):
+    """A small custom layer no rule knows: ``x ⊙ sigmoid(x·u) ⊙ w`` with parameters ``w``, ``u`` of size d."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d) * 0.1 + 1)
+        self.u = nn.Parameter(torch.randn(d) / d ** 0.5)
+
+    def forward(self, x):
+        return x * torch.sigmoid(x @ self.u).unsqueeze(-1) * self.w
 
 #: the RNN and EmbeddingBag rows (``--set rnn``, ``per_layer_rnn_cpu.json``); the RNN rule unrolls the recurrence
 #: in Python in its backward; vmap cannot batch GRU, a bidirectional LSTM or the bags (no func column)
@@ -87,8 +107,13 @@ def make_case(case: dict, B: int, seed: int = 0):
     elif kind == "embedding":
         layer = nn.Embedding(case["vocab"], case["d"])
         x = torch.randint(0, case["vocab"], (B, case["T"]))
-    elif kind == "layernorm":
-        layer = nn.LayerNorm(case["d"])
+    elif kind in ("layernorm", "rmsnorm", "hf_rmsnorm", "custom"):
+        if kind == "hf_rmsnorm":
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+            layer = LlamaRMSNorm(case["d"])
+        else:
+            layer = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm, "custom": GatedScale}[kind](case["d"])
         x = torch.randn(B, case["T"], case["d"])
     elif kind in ("lstm", "gru"):
         cls = nn.LSTM if kind == "lstm" else nn.GRU
@@ -131,9 +156,21 @@ def m_nondp(layer, x, R):
 
 def m_engine(layer, x, R, force: str | None = None):
     from lightning_dpzero.per_sample import PerSampleEngine
-    from lightning_dpzero.per_sample import paths
+    from lightning_dpzero.per_sample import paths, registry
 
-    eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
+    if force == "generic":  # the layer's dedicated rule unregistered while the engine attaches
+        saved = dict(registry.RULES), dict(registry.NAMED_RULES)
+        registry.RULES.pop(type(layer), None)
+        for key in [k for k in registry.NAMED_RULES if k[1] == type(layer).__name__]:
+            del registry.NAMED_RULES[key]
+        try:
+            eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
+        finally:
+            registry.RULES.clear(), registry.NAMED_RULES.clear()
+            registry.RULES.update(saved[0]), registry.NAMED_RULES.update(saved[1])
+        force = None
+    else:
+        eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
     float_in = x.is_floating_point()
     original = paths.use_ghost, paths.use_reuse
     forced = {None: original, "ghost": (lambda *a: True, lambda *a: False),
@@ -249,6 +286,8 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         methods["engine_ghost"] = lambda l, x, r: m_engine(l, x, r, "ghost")
         methods["engine_inst"] = lambda l, x, r: m_engine(l, x, r, "inst")
         methods["engine_reuse"] = lambda l, x, r: m_engine(l, x, r, "reuse")
+    if case["layer"] in GENERIC_TOO:
+        methods["engine_generic"] = lambda l, x, r: m_engine(l, x, r, "generic")
     if case.get("func", True):
         methods["func"] = m_func
     methods["naive"] = m_naive
@@ -269,6 +308,8 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
             steps[name]()
         if name == "engine":  # the path the engine took, as it records it (None: the layer's rule is exact)
             out["engine_choice"] = next(iter(steps[name].engine.last_paths.values()), None)
+        if name.startswith("engine") and not linear_like:  # which rule clipped the layer
+            out.setdefault("rules", {})[name] = type(steps[name].engine.hooks[0].rule).__name__
     wall = {n: [] for n in steps}
     cpu = {n: [] for n in steps}
     for _ in range(reps):  # round-robin, so drift in the machine's load hits every method alike
@@ -313,19 +354,25 @@ def case_label(case: dict) -> str:
         return f"{k.upper()} T={case['T']} d=H={case['H']} L={case['L']}{' bi' if case['bi'] else ''}"
     if k == "embedding_bag":
         return f"EmbeddingBag V={case['vocab']} d={case['d']} N={case['N']}"
-    return f"LayerNorm d={case['d']} T={case['T']}"
+    name = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "hf_rmsnorm": "LlamaRMSNorm", "custom": "GatedScale"}[k]
+    return f"{name} d={case['d']} T={case['T']}"
+
+
+#: how the "engine chose" column names the rule of a layer without paths
+_RULE_NAMES = {"InstantiatedGradsRule": "generic rule", "HFRMSNormRule": "rule by class name"}
 
 
 def render(result: dict) -> str:
     """Markdown: a time table and a memory table (ratios to non-DP from the same run)."""
-    cols = [c for c in ["nondp", "engine", "engine_ghost", "engine_inst", "engine_reuse", "func", "naive", "opacus",
+    cols = [c for c in ["nondp", "engine", "engine_ghost", "engine_inst", "engine_reuse", "engine_generic", "func", "naive", "opacus",
                         "proto_inst_reuse"] if any(c in r["methods"] for r in result["cases"])]
     head = ["layer (B=%d)" % result["batch"], "engine chose", "floor", "non-DP ms"] + [
         f"{c} ×" for c in cols[1:]]
     rows, mrows = [], []
     for r in result["cases"]:
         m = r["methods"]
-        rows.append([case_label(r["case"]), r["engine_choice"] or "exact", r.get("arithmetic_floor"),
+        chose = r["engine_choice"] or _RULE_NAMES.get((r.get("rules") or {}).get("engine"), "exact")
+        rows.append([case_label(r["case"]), chose, r.get("arithmetic_floor"),
                      m["nondp"]["median_ms"]] + [m[c]["time_ratio"] if c in m else None for c in cols[1:]])
         mrows.append([case_label(r["case"]), m["nondp"]["peak_mb"]] +
                      [m[c]["mem_ratio"] if c in m else None for c in cols[1:]])
@@ -334,6 +381,26 @@ def render(result: dict) -> str:
             + md_table(head, rows)
             + "\n\n**Peak tensor memory** (torch.profiler memory events, ratio to non-DP)\n\n"
             + md_table(mhead, mrows) + "\n")
+
+
+def _merged(path: str, new: dict) -> dict:
+    """The results at ``path`` with ``new``'s cases in place of (or after) theirs, in ``CASES`` order; the run
+    that measured each merged case is listed under ``merged_runs``."""
+    import json
+    from pathlib import Path
+
+    old = json.loads(Path(path).read_text())
+    if (old["batch"], old["reps"], old["warmup"], old["threads"]) != (new["batch"], new["reps"], new["warmup"],
+                                                                      new["threads"]):
+        raise SystemExit("--merge needs the same --batch, --reps, --warmup and --threads as the results it joins")
+    labels = {case_label(r["case"]): r for r in old["cases"]}
+    labels.update({case_label(r["case"]): r for r in new["cases"]})
+    order = [case_label(c) for c in CASES]
+    old["cases"] = sorted(labels.values(), key=lambda r: order.index(case_label(r["case"]))
+                          if case_label(r["case"]) in order else len(order))
+    old.setdefault("merged_runs", []).append({"cases": [case_label(r["case"]) for r in new["cases"]],
+                                              "machine_before": new["machine_before"], "wall_s": new["wall_s"]})
+    return old
 
 
 def main(argv=None) -> dict:
@@ -346,7 +413,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="default: results/per_layer_cpu.json (core), per_layer_rnn_cpu.json (rnn)")
     ap.add_argument("--set", choices=["core", "rnn"], default="core",
                     help="core: Linear, Conv2d, Embedding, LayerNorm; rnn: LSTM, GRU, EmbeddingBag (with Opacus)")
-    ap.add_argument("--layers", default="", help="comma-separated layer kinds of the set to run (default: all)")
+    ap.add_argument("--cases", default="", help="comma-separated layer kinds of the set to run (default: all)")
+    ap.add_argument("--merge", action="store_true", help="replace or add these cases in the JSON at --out, keeping "
+                                                         "the others (each case's ratios are from one run)")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = str(RESULTS / ("per_layer_rnn_cpu.json" if args.set == "rnn" else "per_layer_cpu.json"))
@@ -361,7 +430,7 @@ def main(argv=None) -> dict:
                               else "median process CPU time (time.process_time)"),
               "memory_method": "torch.profiler memory events: peak live CPU tensor bytes during one call",
               "machine_before": machine_info(), "cases": []}
-    only = {k for k in args.layers.split(",") if k}
+    only = {k for k in args.cases.split(",") if k}
     for case in [c for c in (RNN_CASES if args.set == "rnn" else CASES) if not only or c["layer"] in only]:
         r = run_case(case, args.batch, args.warmup, args.reps)
         result["cases"].append(r)
@@ -370,6 +439,8 @@ def main(argv=None) -> dict:
               + " ".join(f"{k} {v['time_ratio']:.2f}x" for k, v in m.items() if k != "nondp"), flush=True)
     result["wall_s"] = time.time() - t0
     result["machine_after"] = machine_info()
+    if args.merge:
+        result = _merged(args.out, result)
     write_json(args.out, result)
     print(render(result))
     return result

@@ -320,10 +320,13 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             "`engine` is `PerSampleEngine` (layer-wise) with the path its cost model chose, `engine_ghost` / "
             "`engine_inst` / `engine_reuse` force the ghost norm / the instantiated norm (each then a clipped "
             "matmul) / instantiate-and-reuse; `proto_inst_reuse` is the earlier benchmark-side prototype of the "
-            "last; `func` torch.func vmap(grad) + "
+            "last; `engine_generic` the engine with the layer's dedicated rule unregistered, so the generic rule "
+            "clips it; `func` torch.func vmap(grad) + "
             "clipping; `naive` one backward per example. Memory: " + pl["memory_method"] + ". The floor is "
             "1 + min(T(d+p), d·p)/(3·d·p). Every DP method's clipped gradient matched `func`'s (max relative "
-            f"error {max(v.get('max_rel_err_vs_func', 0) for c in pl['cases'] for v in c['methods'].values()):.1e}).",
+            f"error {max(v.get('max_rel_err_vs_func', 0) for c in pl['cases'] for v in c['methods'].values()):.1e})."
+            + "".join(f" The rows {', '.join(m['cases'])} are from a later run with the same settings (each row's "
+                      "ratios come from one run)." for m in pl.get("merged_runs", [])),
             "",
             per_layer.render(pl),
         ]

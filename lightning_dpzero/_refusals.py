@@ -57,6 +57,17 @@ def warn_injected_batch_size_one(dataloader) -> None:
             "replaces the sampling anyway), or set Trainer(use_distributed_sampler=False) to have it refused.")
 
 
+def warn_layout_check_off(layout_check: bool) -> bool:
+    """``layout_check`` as given; ``False`` warns what is then no longer proven."""
+    if not layout_check:
+        rank_zero_warn(
+            "layout_check=False: the strategy does not prove that every layer's input is batch first and per "
+            "example. A time-first activation (T, B, d) with T == B, or an input shared by every example (T5's "
+            "relative attention bias with L == B), would then train with wrong per-example gradients and release "
+            "non-private updates without an error.")
+    return bool(layout_check)
+
+
 def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
     """Micro-batches an epoch runs under ``Trainer(limit_train_batches=...)`` (an int: at most that many; a
     fraction below 1: that share)."""
@@ -65,6 +76,26 @@ def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
     if limit_train_batches < 1.0:
         return int(micro_batches * limit_train_batches)
     return micro_batches
+
+
+def check_whole_windows(micro_batches: int, accumulate_grad_batches: int, limit_train_batches) -> None:
+    """Refuse an epoch whose micro-batches are not whole accumulation windows (``Trainer(limit_train_batches=...)``).
+
+    Each optimizer step releases one Poisson-sampled logical batch, whose K micro-batches the DP sampler yields
+    consecutively. An epoch cut inside a window would carry part of a draw into the next epoch's first update
+    (one example could then be in one update twice) or leave a partial draw, whose first chunks depend on the
+    other examples of the draw: either can change an update by more than C when one example is added.
+    """
+    k = accumulate_grad_batches
+    if k <= 1 or micro_batches % k == 0:
+        return
+    below, above = micro_batches - micro_batches % k, micro_batches - micro_batches % k + k
+    fix = " or ".join(str(n) for n in (below, above) if n > 0)
+    raise ValueError(
+        f"Trainer(limit_train_batches={limit_train_batches!r}) runs {micro_batches} micro-batches per epoch, which "
+        f"is not a multiple of accumulate_grad_batches={k}: an optimizer step would then mix micro-batches of two "
+        "Poisson draws (or release part of one), which the privacy accounting does not cover. Use "
+        f"limit_train_batches={fix}, a multiple of accumulate_grad_batches={k}.")
 
 
 @contextlib.contextmanager

@@ -12,18 +12,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
-import pickle
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .accounting import LedgerEntry, LedgerIntegrityError, PrivacyLedger, compute_epsilon
+from .checkpoints.commit import CheckpointIntegrityError, IncompleteCheckpointError
 from .checkpoints.format import LEDGER_FILE
-from .checkpoints.reader import CheckpointReadError, client_state_ledgers, model_states_file, same_ledger
+from .checkpoints.reader import CheckpointReadError
+from .checkpoints.verify import verify_directory
 
 
 class CLIError(Exception):
@@ -54,26 +56,6 @@ def _load(json_path: Path) -> PrivacyLedger:
         raise CLIError(f"cannot read {json_path}: {exc}") from exc
 
 
-def _client_state_ledgers(ckpt_dir: Path, trust: bool) -> tuple[dict[str, PrivacyLedger], str]:
-    """The ledgers stored in the checkpoint's DeepSpeed client state, by where they were found, and a note.
-
-    Loaded with ``weights_only=True`` (no code runs while unpickling; ``mmap`` so the weights are not read),
-    which works for the files DPDeepSpeedStrategy writes. Only when that is refused (the user's module put
-    other Python objects into the checkpoint) *and* the user passed ``--trust-checkpoint`` does it fall back
-    to ``weights_only=False``, which can run arbitrary code from the file: for trusted local files only.
-    """
-    try:
-        return client_state_ledgers(ckpt_dir, trust=trust)
-    except pickle.UnpicklingError as exc:
-        why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
-        return {}, (f"client state: not compared ({model_states_file(ckpt_dir).name} needs full unpickling, which "
-                    f"can run code from the file; pass --trust-checkpoint for a checkpoint you trust). {why}")
-    except CheckpointReadError as exc:
-        raise CLIError(str(exc)) from exc
-    except LedgerIntegrityError as exc:
-        raise CLIError(f"TAMPERED or corrupt ledger in the client state of {ckpt_dir}: {exc}") from exc
-
-
 # ---------------------------------------------------------------------------------------------- commands
 def _fmt_eps(eps: float) -> str:
     return "inf (an entry has noise_multiplier 0: no privacy)" if math.isinf(eps) else repr(eps)
@@ -84,13 +66,24 @@ def _summary(ledger: PrivacyLedger) -> dict:
             "accountant": ledger.accountant,
             "entries": [{"sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier,
                          "steps": e.steps, "sampler": e.sampler} for e in ledger.entries],
-            "steps": ledger.steps, "epsilon": ledger.epsilon(),
+            "steps": ledger.steps, "epsilon": ledger.epsilon(), "epsilon_method": ledger.epsilon_bound().method,
             "epsilon_pld": ledger.epsilon(accountant="pld"), "epsilon_rdp": ledger.epsilon(accountant="rdp"),
+            "value_discretization_interval": ledger.epsilon_bound(accountant="pld").value_discretization_interval,
             "versions": dict(ledger.versions), "head": ledger.head}
 
 
+def _how(bound) -> str:
+    """Which bound gave an epsilon, for `ledger show`."""
+    if bound.method == "rdp" and bound.pld is not None:
+        return f"RDP bound, tighter than the PLD bound {bound.pld!r} here"
+    if bound.method == "pld":
+        return f"PLD bound on a {bound.value_discretization_interval:g}-nat grid"
+    return {"none": "exact: no step, or delta covers the chance an example is ever used",
+            "sigma=0": "no noise"}.get(bound.method, bound.method)
+
+
 def cmd_show(args) -> int:
-    """Print the ledger's metadata, entries, total steps, ε (PLD, exact) and ε (RDP)."""
+    """Print the ledger's metadata, entries, total steps, ε (PLD, or RDP where tighter) and ε (RDP)."""
     json_path, _ = _resolve(args.path)
     ledger = _load(json_path)
     s = _summary(ledger)
@@ -115,7 +108,8 @@ def cmd_show(args) -> int:
     for i, e in enumerate(ledger.entries, 1):
         print(f"  {i:>3}  {e.sample_rate!r:>22}  {e.noise_multiplier!r:>24}  {e.steps:>9}  {e.sampler}")
     print(f"total steps:      {ledger.steps}")
-    print(f"epsilon (pld):    {_fmt_eps(s['epsilon_pld'])}  (exact, at delta={ledger.delta!r}){mark['pld']}")
+    print(f"epsilon (pld):    {_fmt_eps(s['epsilon_pld'])}  ({_how(ledger.epsilon_bound(accountant='pld'))}, "
+          f"at delta={ledger.delta!r}){mark['pld']}")
     print(f"epsilon (rdp):    {_fmt_eps(s['epsilon_rdp'])}{mark['rdp']}")
     versions = ", ".join(f"{k} {v}" for k, v in sorted(ledger.versions.items())) or "-"
     print(f"versions:         {versions}")
@@ -124,31 +118,42 @@ def cmd_show(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    """Check the hash chain, recompute ε, and compare with the checkpoint's client-state copies."""
+    """Check the hash chain and recompute ε; for a checkpoint directory, run the checks loading runs
+    (:func:`~lightning_dpzero.checkpoints.verify.verify_directory`: commit marker, file digests, the ledger copies
+    against each other and the marker, the ledger's steps against the weights' step count)."""
     json_path, ckpt_dir = _resolve(args.path)
     ledger = _load(json_path)  # verifies the hash chain and the head
     eps = ledger.epsilon()
-    note = ""
+    notes, covers = [], ""
     if ckpt_dir is not None:
-        copies, note = _client_state_ledgers(ckpt_dir, args.trust_checkpoint)
-        for where, other in copies.items():
-            if not same_ledger(other, ledger):
-                raise CLIError(f"MISMATCH: {json_path} (run {ledger.run_id}, {ledger.steps} steps) and the ledger "
-                               f"in {where} (run {other.run_id}, {other.steps} steps) disagree; the checkpoint was "
-                               "edited or mixed with another run.")
-        if copies:
-            note = f"client state: matches ({', '.join(copies)})"
+        try:
+            # the pre-scan imports DeepSpeed, whose log lines are not part of the report
+            with contextlib.redirect_stdout(sys.stderr):
+                commit, verified = verify_directory(ckpt_dir, trust=args.trust_checkpoint, unsafe_as_note=True)
+        except IncompleteCheckpointError as exc:
+            raise CLIError(f"INCOMPLETE: {exc}") from exc
+        except CheckpointIntegrityError as exc:
+            raise CLIError(f"MISMATCH: {exc}") from exc
+        except LedgerIntegrityError as exc:
+            raise CLIError(f"TAMPERED or corrupt ledger in {ckpt_dir}: {exc}") from exc
+        except (CheckpointReadError, ValueError) as exc:
+            raise CLIError(str(exc)) from exc
+        if verified.compared:
+            notes.append(f"client state: matches ({', '.join(verified.compared)})")
+        notes += [n for n in verified.note.splitlines() if n]
+        covers = (f", covering the weights' {verified.weights_steps} steps; commit marker and "
+                  f"{len(commit['files'])} files verified")
     print(f"OK {json_path}: run {ledger.run_id}, {ledger.steps} steps in {len(ledger.entries)} entries, "
           f"N={ledger.dataset_size}, epsilon={_fmt_eps(eps)} ({ledger.accountant}) at delta={ledger.delta!r}, "
-          f"hash chain intact (head {ledger.head[:16]})")
-    if note:
+          f"hash chain intact (head {ledger.head[:16]}){covers}")
+    for note in notes:
         print(note)
     return 0
 
 
 def epsilon_curve(ledger: PrivacyLedger, points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
-    """ε (exact, dp-accounting) after t steps, at about ``points`` step counts t from 0 to the total,
+    """ε (``compute_epsilon``) after t steps, at about ``points`` step counts t from 0 to the total,
     always including every entry boundary. Returns (steps, epsilons)."""
     accountant = accountant or ledger.accountant
     total = ledger.steps
@@ -188,7 +193,7 @@ def cmd_plot(args) -> int:
     ax = fig.add_subplot()
     for acc in accountants:
         xs, ys = epsilon_curve(ledger, args.points, acc)
-        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=f"{acc.upper()}" + (" (exact)" if acc == "pld" else ""))
+        ax.plot(xs, ys, "-" if acc == "pld" else "--", label=acc.upper())
     t = 0
     for e in ledger.entries[:-1]:
         t += e.steps
@@ -215,11 +220,12 @@ def _ledger_parser() -> argparse.ArgumentParser:
     show.add_argument("path", help=path_help)
     show.add_argument("--json", action="store_true", help="print a JSON summary instead")
     show.set_defaults(func=cmd_show)
-    verify = sub.add_parser("verify", help="check the hash chain and the checkpoint's copies; exit 1 if not OK")
+    verify = sub.add_parser("verify", help="check the hash chain and, for a checkpoint directory, what resuming "
+                                           "checks (marker, files, ledger copies, steps); exit 1 if not OK")
     verify.add_argument("path", help=path_help)
     verify.add_argument("--trust-checkpoint", action="store_true",
-                        help="allow full unpickling (weights_only=False) of the model-states file when needed; "
-                             "it can run code from the file: trusted files only")
+                        help="skip the weights_only pre-scan and allow full unpickling (weights_only=False) of the "
+                             "model-states file; it can run code from the file: trusted files only")
     verify.set_defaults(func=cmd_verify)
     plot = sub.add_parser("plot", help="plot epsilon against steps to a PNG (needs matplotlib)")
     plot.add_argument("path", help=path_help)

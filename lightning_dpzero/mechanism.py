@@ -10,14 +10,16 @@ Fabric loop, or a loop in plain PyTorch (the audit).
 
 A driver calls, in this order:
 
-1. :meth:`attach` once the per-example engine is attached to the module (draws a seed shared by the ranks);
+1. :meth:`attach` once the per-example engine is attached to the module, at every fit (draws a seed shared by
+   the ranks; a fit that continues the ledger derives its streams' seed from the ledger's position);
 2. :meth:`install_noise` on the optimizer whose ``step`` receives the reduced gradient;
 3. :meth:`private_loader` and :meth:`fix_plan` once the training loader is known (or :meth:`use_plan`
    with a plan of its own); the ledger is opened there, or the restored one continued;
-4. per micro-batch, :meth:`training_step` around the forward and :meth:`probe_loss` on the loss before
-   backward;
-5. per optimizer step, :meth:`optimizer_step` around the step;
-6. :meth:`resume` when a checkpoint is loaded (:meth:`restore_ledger` for another copy of its ledger).
+4. optionally :meth:`begin_fit` with the driver's step counters before the first update;
+5. per micro-batch, :meth:`training_step` around the forward (its all-reduce also carries a stop that
+   :meth:`request_stop` asked for: :attr:`stop_agreed`) and :meth:`probe_loss` on the loss before backward;
+6. per optimizer step, :meth:`optimizer_step` around the step;
+7. :meth:`resume` when a checkpoint is loaded (:meth:`restore_ledger` for another copy of its ledger).
 
 The accountant callback hands its settings over with :meth:`use_accounting` and reads :attr:`plan`,
 :attr:`ledger` and :meth:`take_stats`.
@@ -26,17 +28,17 @@ The accountant callback hands its settings over with :meth:`use_accounting` and 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import secrets
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
 from ._collectives import Collectives, SingleProcess
+from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
-from .noise import NoiseSource, make_noise_pre_hook
+from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
 from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
@@ -116,6 +118,7 @@ class DPMechanism:
         self._noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.seed, self.secure_mode, self.poisson_sampling = seed, secure_mode, poisson_sampling
+        self._base_seed = seed  # the seed given (or drawn at attach); every stream seed is derived from it
         self.accounting = AccountingSettings()
         self.plan: Optional[PrivacyPlan] = None      #: fixed by fix_plan / use_plan
         self.ledger: Optional[PrivacyLedger] = None  #: opened with the plan
@@ -125,6 +128,9 @@ class DPMechanism:
         self._noise_target: Optional[tuple[torch.optim.Optimizer, bool]] = None
         self._noise_handle = None
         self._noise_applied = False
+        self._stop_requested = False  # this rank's: a SIGTERM arrived (set by a signal handler, no collective)
+        self.stop_agreed = False      #: every rank knows some rank was asked to stop (after the same micro-batch)
+        self._counts = StepCounts()
 
     @property
     def noise_multiplier(self) -> Optional[float]:
@@ -148,9 +154,15 @@ class DPMechanism:
         every rank: stage 0's shared noise stream needs it."""
         self.engine = engine
         self.collectives = collectives if collectives is not None else SingleProcess()
-        if self.seed is None:
+        self._stop_requested = self.stop_agreed = False
+        if self._base_seed is None:
             seed = secrets.randbits(62)
-            self.seed = int(self.collectives.broadcast(seed)) if self.collectives.world_size > 1 else seed
+            self._base_seed = int(self.collectives.broadcast(seed)) if self.collectives.world_size > 1 else seed
+        elif not self.secure_mode:
+            warn_explicit_seed()
+        # a fit that continues a ledger (a second fit of the same Trainer) must not replay the streams of the
+        # fit that started it: the streams follow the ledger's position, as after a resume
+        self.seed = self.stream_seed(self.ledger)
 
     def detach(self) -> None:
         """Give the module its own forwards back (end of fit)."""
@@ -249,11 +261,19 @@ class DPMechanism:
         self.restore_ledger(ledger)
         if self.secure_mode or self._noise_handle is None:  # secure: no seed to reuse; not fitting: no hook
             return
-        digest = hashlib.sha256(f"{self.seed}:{ledger.run_id}:{ledger.steps}:{ledger.head}".encode()).digest()
-        self.seed = int.from_bytes(digest[:8], "little") >> 2
+        self.seed = self.stream_seed(ledger)
         self._noise_handle.remove()
         optimizer, replicated = self._noise_target
         self.install_noise(optimizer, replicated=replicated)
+
+    def stream_seed(self, ledger: Optional[PrivacyLedger]) -> Optional[int]:
+        """The seed of the noise and sampling streams of a fit that continues ``ledger``: the seed given (or
+        drawn) for a new ledger, else one derived from it and the ledger's position (run id, steps, head hash),
+        the same on every rank and for every process that continues the ledger from that position, and distinct
+        for every position, so no two fits of one lineage draw the same noise or batches."""
+        if self._base_seed is None or ledger is None or ledger.steps == 0:
+            return self._base_seed
+        return derive_stream_seed(self._base_seed, ledger.run_id, ledger.steps, ledger.head)
 
     # ------------------------------------------------------------------------------------------ per micro-batch
     def training_step(self, run: Callable[[], Any], batch_size: Optional[int], *, module: Any = None,
@@ -271,6 +291,14 @@ class DPMechanism:
             out = run()
         return self.check_finite_loss(_zero_loss(out), step, epoch)
 
+    def check_layout(self, rerun: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int], *,
+                     module: Any = None) -> bool:
+        """The engine's layout check (:meth:`PerSampleEngine.check_layout`) over the run's ranks, ``module``'s
+        ``log``/``log_dict`` calls dropped during its forwards; ``rerun(index)`` runs the micro-batch's
+        ``training_step`` on the batch re-indexed by ``index``."""
+        with _logging_suppressed(module):
+            return self.engine.check_layout(rerun, batch_size, self.collectives)
+
     def check_finite_loss(self, out: Any, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
         """Stop on a NaN/inf loss (any rank; all ranks agree in one all-reduce), with the step charged.
 
@@ -285,10 +313,13 @@ class DPMechanism:
         if not isinstance(loss, torch.Tensor):
             return out
         world = self.collectives.world_size
-        bad = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(1)
-        if world > 1:
-            bad = self.collectives.reduce(bad, reduce_op="sum")
-        if float(bad) == 0:
+        flags = torch.stack([torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32),
+                             torch.tensor(float(self._stop_requested), device=loss.device)])
+        if world > 1:  # the one collective of every micro-batch: a stop request rides along (see request_stop)
+            flags = self.collectives.reduce(flags, reduce_op="sum")
+        bad, stop = (float(v) for v in flags.cpu())
+        self.stop_agreed = self.stop_agreed or stop > 0
+        if bad == 0:
             return out
         self.charge()
         try:
@@ -298,7 +329,7 @@ class DPMechanism:
         local = float(loss.detach().float().flatten()[0]) if loss.numel() else float("nan")
         raise NonFiniteLossError(
             f"training_step returned a non-finite loss at optimizer step {step} (epoch {epoch}; this rank's loss: "
-            f"{local}) on {int(float(bad))} of {world} rank(s). Training stopped before the update; DP training "
+            f"{local}) on {int(bad)} of {world} rank(s). Training stopped before the update; DP training "
             f"never skips such a step silently. The step was charged to the privacy ledger ({self.ledger.steps} "
             f"steps, {eps}). Fix the cause (a loss that overflows, e.g. log of 0 or exp of large logits: compute it "
             "from logits, as cross_entropy does; too large a learning rate; bad values in the data), then resume "
@@ -321,22 +352,38 @@ class DPMechanism:
         self.engine.set_loss_factors(grad_scale=accumulate_grad_batches / g,
                                      emit_scale=g * gradient_accumulation_steps)
 
+    def request_stop(self) -> None:
+        """Ask the run to stop (from a signal handler: no collective, no lock). Every rank learns it in the
+        all-reduce of the next micro-batch's :meth:`check_finite_loss`, at the same point of every rank's program,
+        and :attr:`stop_agreed` becomes True there on all ranks alike."""
+        self._stop_requested = True
+
     # ------------------------------------------------------------------------------------------ per optimizer step
+    def begin_fit(self, counts: Mapping[str, int]) -> None:
+        """The drivers' own step counters at the start of a fit (e.g. Lightning's ``global_step``, DeepSpeed's
+        ``global_steps``): from here each update must advance each of them and the ledger by one
+        (:meth:`optimizer_step`'s ``counts``; :class:`~lightning_dpzero._step_counts.StepCounts`)."""
+        self._counts.begin(self.ledger.steps if self.ledger is not None else 0, counts)
+
     def charge(self) -> None:
         """Charge one step (q, σ, sampler) of the plan to the ledger."""
         self.ledger.charge(self.plan.sample_rate, self.plan.noise_multiplier, self.plan.sampler_kind)
 
     def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], *,
-                       boundary: bool, step_applied: Callable[[], bool]) -> Any:
+                       boundary: bool, step_applied: Callable[[], bool],
+                       counts: Optional[Callable[[], Mapping[str, int]]] = None) -> Any:
         """``step(charged_closure)``: the driver's optimizer step with a closure that runs ``closure`` and then, at
         an accumulation ``boundary``, charges the ledger, before the update is applied (I4: skipped, overflowed
-        steps are charged too). After it, an update that was applied (``step_applied()``) without the noise hook
-        having run stops training."""
+        steps are charged too). ``counts()``: the drivers' step counters with this update included, which must
+        have advanced as the ledger did since :meth:`begin_fit` (else ``RuntimeError`` before the update). After
+        it, an update that was applied (``step_applied()``) without the noise hook having run stops training."""
 
         def charged_closure() -> Any:
             result = closure()
             if boundary:
                 self.charge()
+                if counts is not None:
+                    self._counts.check(self.ledger.steps, counts())
             return result
 
         self._noise_applied = False

@@ -218,7 +218,7 @@ class PrivacyRunLogger(Callback):
     * ``on_fit_end`` (rank 0): the ledger as ``privacy_ledger.json``: for a :class:`WandbLogger` a
       ``wandb.Artifact`` of type ``"privacy-ledger"`` (metadata: ε, δ, steps, run id, hash head), and for
       any logger with a ``log_dir`` a copy of the file there. The run's summary also gets the final
-      ``epsilon`` (exact, PLD/RDP as configured).
+      ``epsilon`` (the ledger's, PLD/RDP as configured).
 
     Use it beside :class:`~lightning_dpzero.PrivacyAccountantCallback` (which logs ε etc. per step).
 

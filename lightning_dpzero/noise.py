@@ -15,6 +15,7 @@ rank-mean of the per-rank sums of clipped gradients). Each coordinate is noised 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Callable
@@ -102,3 +103,30 @@ def make_noise_pre_hook(get_scales: Callable[[], tuple[float, float]], source: N
         return None
 
     return hook
+
+
+EXPLICIT_SEED_WARNING = (
+    "An explicit seed reproduces the noise and the Poisson batches: two runs with the same seed draw the same "
+    "noise, so two models trained with one seed on neighbouring datasets reveal their difference, noise-free. "
+    "Use a seed for tests and debugging only; production runs should use secure_mode=True (or no seed).")
+
+
+def warn_explicit_seed() -> None:
+    """Warn, on rank 0, that an explicit seed reproduces the noise (each fit that has one)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(EXPLICIT_SEED_WARNING)
+
+
+def derive_stream_seed(seed: int, run_id: str, steps: int, head: str) -> int:
+    """A 62-bit seed for the streams of a fit that continues a ledger at (run id, steps, head hash) from the run's
+    ``seed``: deterministic (every rank, every process continuing from that position, gets it) and distinct per
+    position, so no two fits of one lineage replay each other's noise or batches.
+
+    Example:
+        >>> a, b = derive_stream_seed(5, "run", 3, "ab"), derive_stream_seed(5, "run", 6, "cd")
+        >>> a == derive_stream_seed(5, "run", 3, "ab"), a != b
+        (True, True)
+    """
+    digest = hashlib.sha256(f"{seed}:{run_id}:{steps}:{head}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2

@@ -6,7 +6,8 @@ the DP pieces (docs/design.md, *Where each piece runs*).
 * ``process_dataloader``: the mechanism's private loader (distributed Poisson sampler) and privacy plan;
 * ``training_step`` / ``backward``: the mechanism declares each micro-batch and probes the loss for every factor
   Lightning and DeepSpeed put on it, so the engine recovers each example's own gradient before clipping;
-* ``optimizer_step``: the mechanism charges the ledger at each accumulation boundary, before the update;
+* ``on_train_batch_start`` / ``optimizer_step``: DeepSpeed's boundary follows the sampler's window, and the ledger
+  is charged at each boundary before the update, the step counters checked (``_lightning_loop``: also SIGTERM);
 * ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint``: :class:`~lightning_dpzero.checkpoints.
   CheckpointProtocol` (the commit marker last; verified before anything is unpickled).
 
@@ -23,7 +24,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from . import _refusals
+from . import _lightning_loop as _loop, _refusals
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, LossReduction, check_option
 from ._reduction import deferred_writes_reduced
@@ -31,6 +32,7 @@ from .checkpoints import CheckpointProtocol
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_group_thresholds
+from .per_sample.layout import reindex_batch
 
 
 class _OfMechanism:
@@ -70,6 +72,8 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         seed: seed of noise and sampling when not in secure mode; ``None`` draws one from OS entropy.
         loss_reduction: ``"mean"`` (``training_step`` returns the mean of per-example losses) or ``"sum"``.
+        layout_check: prove at the first micro-batch, with two extra forwards, that every layer's input is batch
+            first and per example (``PerSampleEngine.check_layout``). ``False`` skips it, with a warning.
 
     Raises:
         ValueError: bad settings, when constructed (a YAML config with a bad string option fails when parsed).
@@ -98,7 +102,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  clipping_groups: Optional[Union[Literal["param_groups"], list[list[str]]]] = None,
                  group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
-                 loss_reduction: LossReduction = "mean", **kwargs: Any) -> None:
+                 loss_reduction: LossReduction = "mean", layout_check: bool = True, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
@@ -116,7 +120,9 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if group_max_grad_norms is not None:
             validate_group_thresholds(group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
+        self.layout_check = _refusals.warn_layout_check_off(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None
+        self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
 
     # ------------------------------------------------------------------ the mechanism's settings and state
@@ -144,6 +150,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             _refusals.check_trainer(trainer, self.config)
+            self._fit_loop.install(trainer)  # before Lightning registers its SIGTERM handler (after setup)
             patterns = None if self.clipping_groups == "param_groups" else self.clipping_groups
             self.per_sample = PerSampleEngine(self.model, self.max_grad_norm, self.clipping, self.clipping_fn,
                                               self.gamma, self.loss_reduction, groups=patterns,
@@ -177,26 +184,37 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         k = trainer.accumulate_grad_batches
         loader = self.mechanism.private_loader(dataloader, k)
         _refusals.warn_injected_batch_size_one(dataloader)
+        per_epoch = _refusals.limited_micro_batches(len(loader), trainer.limit_train_batches)
+        _refusals.check_whole_windows(per_epoch, k, trainer.limit_train_batches)
         self.mechanism.fix_plan(loader, accumulate_grad_batches=k, max_steps=trainer.max_steps,
-                                max_epochs=trainer.max_epochs,
-                                micro_batches_per_epoch=_refusals.limited_micro_batches(
-                                    len(loader), trainer.limit_train_batches))
+                                max_epochs=trainer.max_epochs, micro_batches_per_epoch=per_epoch)
         return loader
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------ step (accumulation windows: _lightning_loop)
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.mechanism.active:
+            self._fit_loop.before_micro_batch(self.deepspeed_engine)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         if not self.mechanism.active:
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
 
-        def run():
+        def run(batch_args=args):
             with _refusals.explain_released_parameters(self.zero_stage):
-                return super(DPDeepSpeedStrategy, self).training_step(*args, **kwargs)
+                return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
 
-        return self.mechanism.training_step(run, extract_batch_size(args[0]) if args else None,
-                                            module=self.lightning_module, step=trainer.global_step + 1,
-                                            epoch=trainer.current_epoch)
+        batch_size = extract_batch_size(args[0]) if args else None
+        if self.layout_check and args and not self.per_sample.layout_verified:  # before the first update
+            self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), batch_size,
+                                        module=self.lightning_module)
+        out = self.mechanism.training_step(run, batch_size, module=self.lightning_module,
+                                           step=trainer.global_step + 1, epoch=trainer.current_epoch)
+        self._fit_loop.after_micro_batch()
+        return out
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -211,11 +229,12 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         if not self.mechanism.active or self.mechanism.plan is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        engine = self.deepspeed_engine
+        engine, trainer = self.deepspeed_engine, self.lightning_module.trainer
         return self.mechanism.optimizer_step(
             lambda charged_closure: super(DPDeepSpeedStrategy, self).optimizer_step(optimizer, charged_closure,
                                                                                     model, **kwargs),
-            closure, boundary=engine.is_gradient_accumulation_boundary(), step_applied=engine.was_step_applied)
+            closure, boundary=engine.is_gradient_accumulation_boundary(), step_applied=engine.was_step_applied,
+            counts=lambda: _loop.step_counters(trainer, engine, with_this_update=True))
 
     # ------------------------------------------------------------------ checkpoints (docs/design.md, *Checkpoints*)
     @override
@@ -239,10 +258,10 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             IncompleteCheckpointError: no marker (the save was interrupted, or not written by this strategy).
             CheckpointIntegrityError: the files, the ledgers or the marker disagree.
             UnsafeCheckpointError: a file holds objects that unpickling could execute.
-            ValueError: no ledger at all when resuming training.
+            ValueError: no ledger at all when resuming training; ZeRO shards of another number of processes.
         """
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        commit = self.checkpoint_protocol.verify(checkpoint_path, required=fitting,
+        commit = self.checkpoint_protocol.verify(checkpoint_path, required=fitting, zero_stage=self.zero_stage,
                                                  trust_pickles=self.trust_checkpoint_pickles)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if fitting:
@@ -260,6 +279,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     @override
     def teardown(self) -> None:
         self.mechanism.detach()
+        self._fit_loop.uninstall()
         super().teardown()
 
     # ------------------------------------------------------------------ registry

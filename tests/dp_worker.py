@@ -39,9 +39,12 @@ class Module(L.LightningModule):
         self.net = build_model(case["model"])
         self.seen = []
 
+    def on_train_batch_start(self, batch, batch_idx):
+        # here, not in training_step, which the strategy's layout check runs twice more (once re-indexed)
+        self.seen.append([int(self.global_step), batch[2].tolist()])
+
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
-        self.seen.append([int(self.global_step), idx.tolist()])
         out = self.net(x)
         if self.case.get("zero_loss"):
             return (out * 0.0).sum() / max(len(x), 1)
@@ -103,6 +106,7 @@ def run_case(case, out_dir, devices):
         strategy=strategy, accelerator="cpu", devices=devices // case.get("num_nodes", 1),
         num_nodes=case.get("num_nodes", 1), max_steps=case["steps"],
         max_epochs=case.get("max_epochs"),  # -1 with steps=-1: unbounded (the privacy budget stops it)
+        limit_train_batches=case.get("limit_train_batches"),
         accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0)
@@ -131,6 +135,7 @@ def run_case(case, out_dir, devices):
     if rank == 0:
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),
+                    "deepspeed_global_steps": int(strategy.deepspeed_engine.global_steps),
                     "epsilon": float(callbacks[0].epsilon()),
                     "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},
                    os.path.join(out_dir, f"{name}.pt"))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from models import LOOP_ORACLE, build_model, make_dataset
-from oracle import clipped_sum, loop_per_example_grads, per_example_grads
+from oracle import clipped_sum, loop_per_example_grads, per_example_grads, per_example_grads_loop
 
 HERE = Path(__file__).parent
 
@@ -82,7 +82,11 @@ def _launch(cfg, out_dir, world_size, timeout, nodes=1, launcher="env"):
 def expected_params(case, result):
     """Replay the run: per optimizer step, Σ clip(g_i) over the union batch (torch.func), / B_exp, SGD."""
     model = build_model(case["model"])
-    model.load_state_dict({k.removeprefix("net."): v for k, v in result["init"].items()})
+    missing, unexpected = model.load_state_dict({k.removeprefix("net."): v for k, v in result["init"].items()},
+                                                strict=False)
+    # the worker records named_parameters(): a tied weight once, and no buffers (built from the config)
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    assert not unexpected and set(missing) <= aliases | {n for n, _ in model.named_buffers()}, (missing, unexpected)
     x, y = make_dataset(case["model"], case["n"])
     b_exp = result["plan"]["expected_batch_size"]
     steps: dict[int, list[int]] = {}
@@ -100,7 +104,8 @@ def expected_params(case, result):
                 return out.reshape(len(sel), -1).mean(1)  # per example: the mean over its tokens
             grads = loop_per_example_grads(model, loss_of, len(idx))
         else:
-            grads = per_example_grads(model, nn.functional.cross_entropy, x[idx], y[idx])
+            oracle = per_example_grads_loop if case.get("oracle") == "loop" else per_example_grads
+            grads = oracle(model, nn.functional.cross_entropy, x[idx], y[idx])
         groups = None
         if case["clipping"] == "group-wise":
             import fnmatch
@@ -110,5 +115,6 @@ def expected_params(case, result):
         summed = clipped_sum(model, grads, C, case["clipping"], case["clipping_fn"], groups=groups)
         with torch.no_grad():
             for n, p in model.named_parameters():
-                p -= case["lr"] * (summed[n] / b_exp).float()
-    return {f"net.{k}": v for k, v in model.state_dict().items()}
+                if n in summed:  # (frozen parameters have no gradient)
+                    p -= case["lr"] * (summed[n] / b_exp).float()
+    return {f"net.{k}": v.detach().clone() for k, v in model.named_parameters()}

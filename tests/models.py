@@ -100,8 +100,51 @@ class BagNet(nn.Module):
         return self.head(torch.tanh(self.bag(x[keep], offsets)))
 
 
+class GainNorm(nn.Module):
+    """A user's own normalisation layer (no dedicated rule: the generic rule clips it)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-0.5, 0.5, d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+class GenericNet(nn.Module):
+    """Embedding → Linear → GainNorm (generic rule) → Linear on the mean of the tokens."""
+
+    def __init__(self, vocab=13, d=8, classes=3):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(vocab, d), nn.Linear(d, d)
+        self.norm, self.head = GainNorm(d), nn.Linear(d, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.lin(self.emb(x)))).mean(1))
+
+
+class TimeFirstNet(nn.Module):
+    """Linear → LayerNorm → Linear applied time-first: (B, T, d) is transposed to (T, B, d) around the stack, as
+    a module written for batch_first=False does. With T == B every shape check passes, but each layer's first
+    dimension is time: the per-example layout check must refuse it (T = 3 here)."""
+
+    def __init__(self, d=4, classes=3):
+        super().__init__()
+        self.l1, self.ln, self.l2 = nn.Linear(d, 8), nn.LayerNorm(8), nn.Linear(8, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.l2(torch.tanh(self.ln(self.l1(x.transpose(0, 1)))))
+        return self.head(h.transpose(0, 1).mean(1))
+
+
 def build_model(kind):
-    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "vit": TinyViT, "rnn": RNNLM, "bag": BagNet}[kind]()
+    if kind.startswith("zoo:"):  # the HuggingFace models of tests/zoo.py
+        import zoo
+
+        return zoo.build(kind[4:])
+    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "vit": TinyViT, "rnn": RNNLM, "bag": BagNet,
+            "timefirst": TimeFirstNet, "generic": GenericNet}[kind]()
 
 
 #: models the harness checks with a backward per example (loop) instead of torch.func (vmap cannot batch them)
@@ -109,14 +152,20 @@ LOOP_ORACLE = {"rnn", "bag"}
 
 
 def make_dataset(kind, n):
+    if kind.startswith("zoo:"):
+        import zoo
+
+        return zoo.make_data(kind[4:], n)
     g = torch.Generator().manual_seed(42)
     if kind in ("rnn", "bag"):  # sequences of 1..6 tokens (1..12), padded with token 0
         x = torch.randint(1, 13, (n, 6), generator=g)
         x[torch.arange(6) >= torch.randint(1, 7, (n, 1), generator=g)] = 0
         if kind == "rnn":
             return x, torch.randint(0, 13, (n, 6), generator=g)
-    elif kind == "token":
+    elif kind in ("token", "generic"):
         x = torch.randint(0, 13, (n, 6), generator=g)
+    elif kind == "timefirst":
+        x = torch.randn(n, 3, 4, generator=g)
     elif kind in ("conv", "vit"):
         x = torch.randn(n, 1, 8, 8, generator=g)
     else:

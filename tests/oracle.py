@@ -113,3 +113,22 @@ def check_engine_against_loop(model, loss_of, B, clip, context=None, alone=True,
             got = p.grad.double() if p.grad is not None else torch.zeros_like(ref[n])
             torch.testing.assert_close(got, ref[n], rtol=1e-3, atol=tol, msg=lambda m: f"{n}: {m}")
     return engine
+
+
+def per_example_grads_loop(model, loss_fn, inputs, targets):
+    """{name: (B, *shape)} gradients of each example's own loss in float64, by one backward per example on a
+    batch of one (for models ``torch.func`` cannot transform, e.g. HuggingFace's): trainable parameters only;
+    ``model`` is not modified (a float64 copy is used)."""
+    import copy
+
+    m = copy.deepcopy(model).double()
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    params = [p for p in m.parameters() if p.requires_grad]  # tied parameters once, in named_parameters order
+    out = {n: [] for n in names}
+    for i in range(inputs.shape[0]):
+        x = inputs[i:i + 1]
+        x = x.double() if x.is_floating_point() else x
+        grads = torch.autograd.grad(loss_fn(m(x), targets[i:i + 1]), params, allow_unused=True)
+        for n, p, g in zip(names, params, grads):
+            out[n].append(torch.zeros_like(p) if g is None else g)
+    return {n: torch.stack(v) for n, v in out.items()}

@@ -34,12 +34,23 @@ def _checkpoint_dir(tmp_path, json_ledger, state_ledger, name="mp_rank_00_model_
     (ckpt / "checkpoint").mkdir(parents=True)
     (ckpt / "latest").write_text("checkpoint")
     json_ledger.save(ckpt / "privacy_ledger.json")
-    state = {"module": {"w": torch.zeros(2)}, "privacy_ledger": state_ledger.to_dict(),
+    state = {"module": {"w": torch.zeros(2)}, "global_step": state_ledger.steps, "privacy_ledger": state_ledger.to_dict(),
              "callbacks": {"PrivacyAccountantCallback": {"ledger": state_ledger.to_dict(), "delta": 1e-5}}}
     if extra is not None:
         state["extra"] = extra
     torch.save(state, ckpt / "checkpoint" / name)
+    _commit(ckpt, json_ledger, global_step=state_ledger.steps)
     return ckpt
+
+
+def _commit(ckpt, ledger, global_step):
+    """The commit marker, as DPDeepSpeedStrategy writes it last."""
+    from lightning_dpzero.checkpoints.commit import checkpoint_files, file_digest, write_commit
+
+    write_commit(ckpt, {"format": "lightning_dpzero.privacy_commit", "format_version": 1, "global_step": global_step,
+                        "run_id": ledger.run_id, "ledger_head": ledger.head, "ledger_steps": ledger.steps,
+                        "world_size": 1, "zero_stage": 2,
+                        "files": {n: file_digest(ckpt / n) for n in checkpoint_files(ckpt)}})
 
 
 class _Opaque:  # a pickled object that torch.load(weights_only=True) refuses

@@ -40,6 +40,9 @@ def _cases(world_size):
                       clipping_groups="param_groups", opt_groups=[["net.emb.*"], ["net.lin.*", "net.ln.*", "net.head.*"]]))
     # empty Poisson micro-batches (q·N/W = 1 expected example per rank and step): noise-only steps are valid
     cases.append(dict(BASE, name="i2_empty_s2_a2", stage=2, accumulate=2, batch_size=1, steps=4))
+    # accumulation windows across epochs (2 per epoch): DeepSpeed's boundary follows the sampler's windows
+    cases.append(dict(BASE, name="i2_epochs_s2_a2", stage=2, accumulate=2, steps=4, max_epochs=2,
+                      limit_train_batches=4))
     cases.append(dict(BASE, name="i2_conv_al_s1", model="conv", stage=1, clipping="all-layer"))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
     cases.append(dict(BASE, name="i2_vit_lw_s3_a2", model="vit", stage=3, accumulate=2))
@@ -145,3 +148,17 @@ def test_i4_one_ledger_event_per_optimizer_step(runs):
         assert entries[0]["sample_rate"] == pytest.approx(q)
         assert entries[0]["noise_multiplier"] == case["sigma"]
         assert entries[0]["sampler"] == ("poisson" if case["poisson"] else "shuffle")
+        # the three counts of updates agree: the ledger's, Lightning's and DeepSpeed's
+        assert res["deepspeed_global_steps"] == res["global_step"], case["name"]
+
+
+def test_each_update_is_one_window_of_one_epoch(runs):
+    """Every optimizer step ran exactly K micro-batches on every rank (one Poisson draw, yielded together), also
+    when the windows cross epochs; with the oracle above, DeepSpeed applied exactly those micro-batches."""
+    for ws, case, res in _by_prefix(runs, "i2_epochs"):
+        assert res["global_step"] == 4
+        for seen in res["seen"]:
+            per_step = {}
+            for step, _ in seen:
+                per_step[step] = per_step.get(step, 0) + 1
+            assert per_step == {s: case["accumulate"] for s in range(4)}, per_step

@@ -420,16 +420,44 @@ def test_subclass_keeping_forward_is_accepted(clipping):
     assert [name for name, _ in check_oracle(model, torch.randn(4, 3), clip)] == ["0", "2"]
 
 
-@pytest.mark.parametrize("layer, method", [(ScaledLinear(3, 2), "forward"), (PaddedConv(1, 2, 3), "_conv_forward")])
-def test_subclass_overriding_forward_is_refused(layer, method):
-    with pytest.raises(UnsupportedLayerError, match=f"{type(layer).__name__} subclasses .* overrides {method}"):
-        PerSampleEngine(nn.Sequential(layer)).attach()
+class GatedLinear(nn.Linear):  # overrides forward and calls a trainable child: no rule can cover its weight
+    def __init__(self):
+        super().__init__(3, 2)
+        self.gate = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return super().forward(x) * torch.sigmoid(self.gate(x))
 
 
-def test_unknown_parameter_on_a_supported_layer_is_named():
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("layer, shape", [(ScaledLinear(3, 2), (4, 3)), (PaddedConv(1, 2, 3), (4, 1, 5, 5))])
+def test_subclass_overriding_forward_gets_the_generic_rule(layer, shape, clipping):
+    """A subclass that changes what its base computes is no longer refused: the base's rule cannot know its
+    forward, so the generic rule (torch.func over the subclass's own forward) clips it, exactly."""
+    torch.manual_seed(0)
+    clip = dict(clipping=clipping, clipping_fn="abadi", C=0.05, path=None, B=shape[0], seed=1)
+    assert check_oracle(nn.Sequential(layer), torch.randn(shape), clip) == [("0", "InstantiatedGradsRule")]
+
+
+def test_subclass_overriding_forward_with_trainable_children_is_refused():
+    with pytest.raises(UnsupportedLayerError, match=r"GatedLinear subclasses Linear but overrides forward"):
+        PerSampleEngine(nn.Sequential(GatedLinear())).attach()
+
+
+def test_unknown_parameter_on_a_supported_layer_gets_the_generic_rule():
+    """A parameter the Linear rule does not know: the whole module goes to the generic rule (here the extra
+    parameter is unused by the forward: its per-example gradients are zero)."""
+    torch.manual_seed(0)
     lin = MyLinear(3, 2)
     lin.scale = nn.Parameter(torch.ones(2))
-    with pytest.raises(UnsupportedLayerError, match=r"'scale' of MyLinear.*does not know \(scale\)"):
+    clip = dict(clipping="all-layer", clipping_fn="abadi", C=0.05, path=None, B=4, seed=1)
+    assert check_oracle(nn.Sequential(lin), torch.randn(4, 3), clip) == [("0", "InstantiatedGradsRule")]
+
+
+def test_unknown_parameter_on_a_layer_with_trainable_children_is_named():
+    lin = GatedLinear()
+    lin.scale = nn.Parameter(torch.ones(2))
+    with pytest.raises(UnsupportedLayerError, match=r"'scale' of GatedLinear.*\(gate\)"):
         PerSampleEngine(lin).attach()
 
 

@@ -152,7 +152,9 @@ def test_an_owned_child_left_uncovered_is_refused_with_its_owner():
         PerSampleEngine(nn.Sequential(mha)).attach()
     msg = str(err.value)
     assert "'0.extra' of MultiheadAttention" in msg and "does not know (extra)" in msg
-    assert re.search(r"'0\.out_proj\.weight' of \w+ '0\.out_proj': the rule of the layer that owns", msg)
+    # one line per module, naming each of its uncovered parameters
+    assert re.search(r"'0\.out_proj\.weight', '0\.out_proj\.bias' of \w+ '0\.out_proj': the rule of the layer that owns",
+                     msg)
 
 
 class _Net(nn.Module):

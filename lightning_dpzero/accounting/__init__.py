@@ -2,10 +2,12 @@
 
 from .accountants import (
     ACCOUNTANTS,
-    PLD_VALUE_DISCRETIZATION_INTERVAL,
+    EpsilonBound,
     EpsilonTracker,
     compute_epsilon,
+    epsilon_bound,
     make_accountant,
+    value_discretization_interval,
 )
 from .budget import BudgetGuard, PrivacyBudgetExceeded
 from .calibration import calibrate_noise_multiplier, epsilon_for
@@ -14,7 +16,7 @@ from .ledger import LedgerEntry, LedgerIntegrityError, PrivacyLedger
 __all__ = [
     "ACCOUNTANTS",
     "BudgetGuard",
-    "PLD_VALUE_DISCRETIZATION_INTERVAL",
+    "EpsilonBound",
     "EpsilonTracker",
     "LedgerEntry",
     "LedgerIntegrityError",
@@ -22,6 +24,8 @@ __all__ = [
     "PrivacyLedger",
     "calibrate_noise_multiplier",
     "compute_epsilon",
+    "epsilon_bound",
     "epsilon_for",
     "make_accountant",
+    "value_discretization_interval",
 ]

@@ -1,40 +1,41 @@
-"""Epsilon from a privacy ledger, computed by Google's ``dp-accounting`` library.
+"""Epsilon of a privacy ledger: the tighter of two valid upper bounds computed with dp-accounting.
 
-Every step of DP-SGD is one Poisson-subsampled Gaussian mechanism: sample rate ``q`` (probability that
-an example is in the step's batch) and noise multiplier ``sigma`` (noise std / clipping norm). A ledger
-is an ordered list of runs ``(q, sigma, steps)``; its epsilon at a given delta is that of the
-composition of all runs, in order, under add-or-remove-one adjacency.
+Every step of DP-SGD is one Poisson-subsampled Gaussian mechanism: sample rate ``q`` (probability that an
+example is in the step's batch) and noise multiplier ``sigma`` (noise std / clipping norm). A ledger is an
+ordered list of runs ``(q, sigma, steps)``; its epsilon at a given delta is that of the composition of all
+runs, in order, under add-or-remove-one adjacency.
 
-Accountants (no privacy math is written here; all of it is ``dp_accounting``'s):
+Accountants:
 
-* ``"pld"`` (default, tight): privacy loss distributions -- Koskela, Jalko & Honkela (AISTATS 2020),
-  "Computing tight differential privacy guarantees using FFT"; Doroshenko, Ghazi, Kamath, Kumar &
-  Manurangsi (PETS 2022), "Connect the dots: tighter discrete approximations of privacy loss
-  distributions". Pessimistic discretisation, so the result is an upper bound on the true epsilon.
-* ``"rdp"``: Renyi DP -- Mironov (CSF 2017), "Renyi differential privacy"; Mironov, Talwar & Zhang
-  (2019) for the subsampled Gaussian. Looser than PLD, also an upper bound.
+* ``"pld"`` (default): privacy loss distributions -- Koskela, Jalko & Honkela (AISTATS 2020), "Computing
+  tight differential privacy guarantees using FFT"; Doroshenko, Ghazi, Kamath, Kumar & Manurangsi (PETS
+  2022), "Connect the dots: tighter discrete approximations of privacy loss distributions". dp-accounting's
+  pessimistic discretisation on a grid chosen per ledger (:mod:`.pld`), so the value is an upper bound on
+  the true epsilon within about 1 % of it. The RDP bound below is computed too and reported instead when it
+  is smaller (the minimum of two valid upper bounds is a valid upper bound); :func:`epsilon_bound` says which
+  one gave the number.
+* ``"rdp"``: Renyi DP -- Mironov (CSF 2017); Mironov, Talwar & Zhang (2019) for the subsampled Gaussian
+  (:mod:`.rdp`). Looser than PLD, also an upper bound.
 
-The PLD path composes ``dp_accounting.pld.privacy_loss_distribution`` objects in exactly the order
-``dp_accounting.pld.PLDAccountant`` does (identity, then each run's one-step PLD self-composed
-``steps`` times), so its numbers are bit-identical to a ``PLDAccountant`` fed the same events; it only
-adds caches of the one-step PLDs and of composed prefixes, which is what makes per-step tracking cheap.
+Shortcut: when delta >= 1 - prod (1 - q)^steps, the probability that a given example is used in any step,
+the two output distributions differ by at most that much in total variation, so the ledger is (0, delta)-DP
+and epsilon is 0 by either accountant.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
 from collections import OrderedDict
-from typing import Iterable
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional
 
 import dp_accounting
-from dp_accounting.pld import privacy_loss_distribution as _pld
+
+from . import pld as _pld
+from .rdp import rdp_epsilon
 
 ACCOUNTANTS = ("pld", "rdp")
-
-#: Width of the PLD privacy-loss grid (nats). 1e-3 keeps the PLD epsilon within ~0.1 % of the
-#: 1e-4 library default up to 1e5 steps (and below RDP everywhere we checked) at ~10x the speed.
-PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-3
 
 Run = tuple  # (sample_rate: float, noise_multiplier: float, steps: int)
 
@@ -52,17 +53,16 @@ def _check_delta(delta: float) -> float:
     return delta
 
 
-def make_accountant(name: str = "pld",
-                    value_discretization_interval: float = PLD_VALUE_DISCRETIZATION_INTERVAL
+def make_accountant(name: str = "pld", value_discretization_interval: float = 1e-4
                     ) -> dp_accounting.PrivacyAccountant:
-    """A fresh ``dp_accounting`` accountant: ``"pld"`` -> ``PLDAccountant`` (with the package's
-    discretisation interval, in nats), ``"rdp"`` -> ``RdpAccountant`` (library default orders).
+    """A fresh ``dp_accounting`` accountant: ``"pld"`` -> ``PLDAccountant`` on a fixed grid
+    (``value_discretization_interval`` nats, the library's default 1e-4), ``"rdp"`` -> ``RdpAccountant``
+    (library default orders). For your own experiments; the package's epsilon is :func:`compute_epsilon`.
 
     Raises ValueError naming the allowed values for any other name."""
     _check_accountant(name)
     if name == "pld":
-        return dp_accounting.pld.PLDAccountant(
-            value_discretization_interval=value_discretization_interval)
+        return dp_accounting.pld.PLDAccountant(value_discretization_interval=value_discretization_interval)
     return dp_accounting.rdp.RdpAccountant()
 
 
@@ -83,137 +83,148 @@ def _as_runs(entries: Iterable) -> tuple:
     return tuple(runs)
 
 
-class _LRU:
-    """A small thread-safe LRU map (PLD objects can be megabytes; keep few)."""
-
-    def __init__(self, maxsize: int):
-        self.maxsize, self._d, self._lock = maxsize, OrderedDict(), threading.Lock()
-
-    def get(self, key):
-        with self._lock:
-            if key in self._d:
-                self._d.move_to_end(key)
-                return self._d[key]
-        return None
-
-    def put(self, key, value):
-        with self._lock:
-            self._d[key] = value
-            self._d.move_to_end(key)
-            while len(self._d) > self.maxsize:
-                self._d.popitem(last=False)
-        return value
+def probability_ever_sampled(runs: tuple) -> float:
+    """1 - prod (1 - q)^steps over ``runs``: the chance that a given example is in at least one step."""
+    if any(q >= 1.0 for q, _, _ in runs):
+        return 1.0
+    return -math.expm1(sum(n * math.log1p(-q) for q, _, n in runs))
 
 
-_BASE_PLDS = _LRU(64)     # (q, sigma, h) -> one-step PLD
-_PREFIX_PLDS = _LRU(16)   # (runs, h) -> composed PLD of those runs
+@dataclass(frozen=True)
+class EpsilonBound:
+    """Epsilon of a ledger and where it comes from.
+
+    Attributes:
+        epsilon: the reported epsilon (nats): the smallest of the valid upper bounds computed for the
+            whole ledger, but never less than the epsilon of the ledger without its last run.
+        method: which bound gave it: ``"pld"``, ``"rdp"``, or ``"none"`` (no steps, or delta at least the
+            probability that an example is ever used: epsilon = 0 exactly), ``"sigma=0"`` (infinite).
+        pld: the PLD bound (None when ``accountant="rdp"`` or not needed).
+        rdp: the RDP bound (None when not needed).
+        value_discretization_interval: the PLD grid in nats (None without a PLD bound).
+    """
+
+    epsilon: float
+    method: str
+    pld: Optional[float] = None
+    rdp: Optional[float] = None
+    value_discretization_interval: Optional[float] = None
 
 
-def _base_pld(q: float, sigma: float, h: float):
-    key = (q, sigma, h)
-    pld = _BASE_PLDS.get(key)
-    if pld is None:
-        # Same call as dp_accounting.pld.PLDAccountant for PoissonSampledDpEvent(q, GaussianDpEvent(s)).
-        pld = _BASE_PLDS.put(key, _pld.from_gaussian_mechanism(
-            standard_deviation=sigma, sampling_prob=q, value_discretization_interval=h,
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE))
-    return pld
+def _bound_of_runs(runs: tuple, delta: float, accountant: str, h: Optional[float] = None) -> EpsilonBound:
+    bound = _bound_of_composition(runs, delta, accountant, h)
+    if len(runs) > 1 and h is None:
+        # Appending a run whose grid is finer re-evaluates the earlier runs more tightly, which could report
+        # less than before it started; the ledger without its last run is a valid bound too, so keep the
+        # larger (epsilon then never decreases as steps are charged, across runs as within one).
+        before = _prefix_bound(runs[:-1], delta, accountant)
+        if before.epsilon > bound.epsilon:
+            bound = replace(bound, epsilon=before.epsilon, method=before.method)
+    return bound
 
 
-def _run_pld(run: Run, h: float):
-    q, s, n = run
-    return _base_pld(q, s, h).self_compose(n)
+@functools.lru_cache(maxsize=256)
+def _prefix_bound(runs: tuple, delta: float, accountant: str) -> EpsilonBound:
+    return _bound_of_runs(runs, delta, accountant)
 
 
-def _composed_pld(runs: tuple, h: float):
-    """PLD of ``runs`` composed in order, starting from the identity as PLDAccountant does."""
+def _bound_of_composition(runs: tuple, delta: float, accountant: str, h: Optional[float]) -> EpsilonBound:
     if not runs:
-        return _pld.identity(value_discretization_interval=h)
-    cached = _PREFIX_PLDS.get((runs, h))
-    if cached is not None:
-        return cached
-    start = _PREFIX_PLDS.get((runs[:-1], h))
-    if start is not None:
-        pld, rest = start, runs[-1:]
-    else:
-        pld, rest = _pld.identity(value_discretization_interval=h), runs
-    for run in rest:
-        pld = pld.compose(_run_pld(run, h))
-    return _PREFIX_PLDS.put((runs, h), pld)
-
-
-def _epsilon_of_runs(runs: tuple, delta: float, accountant: str, h: float) -> float:
-    if not runs:
-        return 0.0
+        return EpsilonBound(0.0, "none")
     if any(s == 0.0 for _, s, _ in runs):
-        return math.inf
+        return EpsilonBound(math.inf, "sigma=0")
+    if probability_ever_sampled(runs) * (1 + 1e-12) <= delta:  # margin for its round-off
+        return EpsilonBound(0.0, "none")
+    rdp = float(rdp_epsilon(runs, delta))
     if accountant == "rdp":
-        acc = dp_accounting.rdp.RdpAccountant()
-        for q, s, n in runs:
-            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), n)
-        return float(acc.get_epsilon(delta))
-    pld = _composed_pld(runs[:-1], h).compose(_run_pld(runs[-1], h))
-    return float(pld.get_epsilon_for_delta(delta))
+        return EpsilonBound(rdp, "rdp", rdp=rdp)
+    h = _pld.value_discretization_interval(runs, delta) if h is None else float(h)
+    pld = float(_pld.pld_epsilon(runs, delta, h))
+    return EpsilonBound(min(pld, rdp), "pld" if pld <= rdp else "rdp", pld, rdp, h)
+
+
+def _epsilon_of_runs(runs: tuple, delta: float, accountant: str) -> float:
+    return _bound_of_runs(runs, delta, accountant).epsilon
+
+
+def epsilon_bound(entries: Iterable, delta: float, accountant: str = "pld",
+                  value_discretization_interval: Optional[float] = None) -> EpsilonBound:
+    """Epsilon of the ordered composition of ``entries`` with what produced it (see :func:`compute_epsilon`
+    for the arguments); ``value_discretization_interval`` fixes the PLD grid (nats) instead of choosing it.
+
+    Example::
+
+        >>> from lightning_dpzero.accounting import LedgerEntry, epsilon_bound
+        >>> b = epsilon_bound([LedgerEntry(0.01, 1.0, 1000)], delta=1e-5)
+        >>> b.method, round(b.epsilon, 3)
+        ('pld', 1.829)
+    """
+    _check_accountant(accountant)
+    return _bound_of_runs(_as_runs(entries), _check_delta(delta), accountant, value_discretization_interval)
 
 
 def compute_epsilon(entries: Iterable, delta: float, accountant: str = "pld",
-                    value_discretization_interval: float = PLD_VALUE_DISCRETIZATION_INTERVAL) -> float:
-    """Exact epsilon (as computed by dp-accounting) of the ordered composition of ``entries``.
+                    value_discretization_interval: Optional[float] = None) -> float:
+    """Epsilon (nats) of the ordered composition of ``entries``: a valid upper bound on the true epsilon.
 
     Args:
         entries: runs with ``sample_rate`` q in (0, 1], ``noise_multiplier`` sigma >= 0 and ``steps``
             >= 0, each run meaning ``steps`` Poisson-subsampled Gaussian steps
             (``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), steps)``).
         delta: target delta in (0, 1).
-        accountant: ``"pld"`` (default) or ``"rdp"``.
-        value_discretization_interval: PLD grid width in nats (ignored for RDP).
+        accountant: ``"pld"`` (default: the PLD bound, or the RDP bound where that is smaller) or
+            ``"rdp"``.
+        value_discretization_interval: PLD grid width in nats; default None chooses it per ledger
+            (:func:`lightning_dpzero.accounting.pld.value_discretization_interval`). Ignored for RDP.
 
-    Returns epsilon (float, nats); ``0.0`` for no steps; ``math.inf`` if any run with steps has
-    sigma == 0. Raises ValueError on an unknown accountant, delta outside (0, 1) or an invalid run.
+    Returns epsilon (float, nats); ``0.0`` for no steps or when delta is at least the probability that an
+    example is used at all; ``math.inf`` if any run with steps has sigma == 0. Raises ValueError on an
+    unknown accountant, delta outside (0, 1) or an invalid run.
     """
-    _check_accountant(accountant)
-    return _epsilon_of_runs(_as_runs(entries), _check_delta(delta), accountant,
-                            float(value_discretization_interval))
+    return epsilon_bound(entries, delta, accountant, value_discretization_interval).epsilon
+
+
+def value_discretization_interval(entries: Iterable, delta: float) -> Optional[float]:
+    """The PLD grid (nats) :func:`compute_epsilon` uses for ``entries`` at ``delta`` (None when no PLD is
+    needed: no steps, sigma = 0, or epsilon 0 by the sampling shortcut)."""
+    return epsilon_bound(entries, delta).value_discretization_interval
 
 
 class EpsilonTracker:
     """Incremental epsilon for a growing ledger: cheap per step, never an under-statement.
 
-    ``tracker.epsilon(ledger)`` may be called after every step. The last run of the ledger is the one
-    that grows; with the earlier runs fixed, epsilon is non-decreasing in the last run's step count n
-    (composing one more mechanism cannot lower it). The tracker therefore evaluates, with dp-accounting,
-    the exact epsilon at n' = ``grid_point(n)`` >= n, where the grid is every integer up to
-    ``exact_below`` and then ``ceil(exact_below * growth**k)``, and caches it. Guarantee:
+    ``tracker.epsilon(ledger)`` may be called after every step. The last run of the ledger is the one that
+    grows; with the earlier runs fixed, :func:`compute_epsilon` is non-decreasing in the last run's step
+    count n (the PLD grid does not depend on n, so it is one discretised mechanism composed n times, and
+    the RDP bound grows with n). The tracker therefore evaluates :func:`compute_epsilon` at
+    n' = ``grid_point(n)`` >= n, where the grid is every integer up to ``exact_below`` and then
+    ``ceil(exact_below * growth**k)``, and caches it. Guarantee:
 
-        compute_epsilon(ledger) <= tracker.epsilon(ledger) <= epsilon with the last run at n' steps,
+        compute_epsilon(ledger) <= tracker.epsilon(ledger) = compute_epsilon(ledger with the last run at n'),
 
-    with equality whenever n is a grid point. Since n' < growth * n + 1, the over-statement is that of
-    at most ~2 % more steps: measured <= 1.8 % in epsilon (q in [1e-3, 0.2], n <= 1e5), ~0.2 % at
-    1e5 steps. ``exact=True`` returns the exact value
-    (use it at checkpoints, at the end and for anything published). Each grid point costs one PLD
-    self-composition (~5-40 ms; the one-step PLD and the earlier runs' composition are cached), and a
-    ledger of 1e5 steps has ~450 grid points, so the amortised cost is far below a millisecond.
+    with equality whenever n is a grid point. Since n' < growth * n + 1, the over-statement is that of at
+    most ~2 % more steps (about 1 % in epsilon, which grows like sqrt(n)). ``exact=True`` returns
+    :func:`compute_epsilon` of the ledger itself (use it at checkpoints, at the end and for anything
+    published). Each grid point costs one PLD self-composition and one RDP sum (the one-step PLD, its grid
+    and the earlier runs' composition are cached), and a ledger of 1e5 steps has ~450 grid points.
 
     Args:
         growth: grid ratio, > 1 (default 1.02).
         exact_below: every step count up to this is a grid point (default 50).
-        value_discretization_interval: PLD grid width in nats (default
-            ``PLD_VALUE_DISCRETIZATION_INTERVAL``); the same value must be used for exact comparisons.
+        value_discretization_interval: ignored (the grid is chosen per ledger); kept for compatibility.
         max_cache: number of cached epsilons kept (oldest dropped first).
     """
 
     def __init__(self, growth: float = 1.02, exact_below: int = 50,
-                 value_discretization_interval: float = PLD_VALUE_DISCRETIZATION_INTERVAL,
-                 max_cache: int = 4096):
+                 value_discretization_interval: Optional[float] = None, max_cache: int = 4096):
         if not growth > 1.0:
             raise ValueError(f"growth must be > 1, got {growth!r}.")
         if int(exact_below) < 1:
             raise ValueError(f"exact_below must be >= 1, got {exact_below!r}.")
         self.growth, self.exact_below = float(growth), int(exact_below)
-        self.value_discretization_interval = float(value_discretization_interval)
         self._cache: OrderedDict = OrderedDict()
         self._max_cache = int(max_cache)
-        self.evaluations = 0  # number of dp-accounting evaluations done (for diagnostics)
+        self.evaluations = 0  # number of epsilon evaluations done (for diagnostics)
 
     def grid_point(self, steps: int) -> int:
         """Smallest grid step count >= ``steps`` (``steps`` itself up to ``exact_below``)."""
@@ -225,28 +236,29 @@ class EpsilonTracker:
             k += 1
         return int(math.ceil(e * self.growth ** k))
 
-    def epsilon(self, ledger, exact: bool = False, delta: float | None = None,
-                accountant: str | None = None) -> float:
-        """Epsilon of ``ledger`` (an upper bound on its exact value; exact when ``exact=True``).
-
-        ``delta`` and ``accountant`` default to the ledger's own. Returns ``math.inf`` if any run
-        has sigma == 0, ``0.0`` if there are no steps."""
+    def bound(self, ledger, exact: bool = False, delta: float | None = None,
+              accountant: str | None = None) -> EpsilonBound:
+        """:class:`EpsilonBound` of ``ledger`` at the next grid point (of the ledger itself when
+        ``exact=True``); ``delta`` and ``accountant`` default to the ledger's own."""
         delta = _check_delta(ledger.delta if delta is None else delta)
         accountant = _check_accountant(ledger.accountant if accountant is None else accountant)
         runs = _as_runs(ledger.entries)
-        if not runs:
-            return 0.0
-        if any(s == 0.0 for _, s, _ in runs):
-            return math.inf
-        q, s, n = runs[-1]
-        n_eval = n if exact else self.grid_point(n)
-        key = (accountant, delta, self.value_discretization_interval, runs[:-1], q, s, n_eval)
-        eps = self._cache.get(key)
-        if eps is None:
-            eps = _epsilon_of_runs(runs[:-1] + ((q, s, n_eval),), delta, accountant,
-                                   self.value_discretization_interval)
+        if runs and not exact:
+            q, s, n = runs[-1]
+            runs = runs[:-1] + ((q, s, self.grid_point(n)),)
+        key = (accountant, delta, runs)
+        found = self._cache.get(key)
+        if found is None:
+            found = _bound_of_runs(runs, delta, accountant)
             self.evaluations += 1
-            self._cache[key] = eps
+            self._cache[key] = found
             if len(self._cache) > self._max_cache:
                 self._cache.popitem(last=False)
-        return eps
+        return found
+
+    def epsilon(self, ledger, exact: bool = False, delta: float | None = None,
+                accountant: str | None = None) -> float:
+        """Epsilon of ``ledger`` (an upper bound on :func:`compute_epsilon` of it; equal when
+        ``exact=True``). ``delta`` and ``accountant`` default to the ledger's own. Returns ``math.inf`` if
+        any run has sigma == 0, ``0.0`` if there are no steps."""
+        return self.bound(ledger, exact, delta, accountant).epsilon

@@ -1,18 +1,18 @@
 """The privacy budget: may one more step (q, sigma) be charged without epsilon exceeding a target?
 
-Used by :class:`~lightning_dpzero.PrivacyAccountantCallback` before every optimizer step. Epsilon is that
-of the ledger *with the next step charged*, computed by dp-accounting (see :mod:`.accountants`). The
-question is answered cheaply:
+Used by :class:`~lightning_dpzero.PrivacyAccountantCallback` before every optimizer step. Epsilon is the
+ledger's (``PrivacyLedger.epsilon()``, see :mod:`.accountants`) *with the next step charged*. The question is
+answered cheaply:
 
 1. the :class:`~.accountants.EpsilonTracker` upper bound (cached at a grid of step counts) -- if the bound
-   is within the target, the exact value is too;
-2. only when the bound is over the target: the exact largest step count of the growing run that keeps
-   epsilon within the target is found once by bisection on exact values (about log2 of 2 % of the steps
-   evaluations) and cached, so every later question is a comparison.
+   is within the target, the ledger's epsilon is too;
+2. only when the bound is over the target: the largest step count of the growing run that keeps the
+   ledger's epsilon within the target is found once by bisection on that epsilon (about log2 of 2 % of the
+   steps evaluations) and cached, so every later question is a comparison.
 
-The answer is exact: a step is allowed if and only if the exact epsilon (``PrivacyLedger.epsilon()``) of the
-ledger after charging it is at most the target. This relies, like the tracker, on epsilon being
-non-decreasing in the number of composed steps.
+The answer is exact: a step is allowed if and only if the ledger's epsilon after charging it is at most the
+target. This relies, like the tracker, on that epsilon being non-decreasing in the number of composed steps
+(the PLD grid does not depend on it).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class BudgetGuard:
         self.target_epsilon = target_epsilon
         self.tracker = tracker if tracker is not None else EpsilonTracker()
         self._limits: dict = {}   # (prefix runs, q, sigma, delta, accountant) -> largest allowed count
-        self._limit_eps: dict = {}  # same key -> exact epsilon at that count (<= target)
+        self._limit_eps: dict = {}  # same key -> the ledger's epsilon at that count (<= target)
         self.exact_evaluations = 0
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -73,14 +73,14 @@ class BudgetGuard:
     def _exact(self, prefix: tuple, q: float, sigma: float, n: int, delta: float, accountant: str) -> float:
         self.exact_evaluations += 1
         runs = prefix + ((q, sigma, n),) if n > 0 else prefix
-        return _epsilon_of_runs(runs, delta, accountant, self.tracker.value_discretization_interval)
+        return _epsilon_of_runs(runs, delta, accountant)
 
     def _bound(self, prefix: tuple, q: float, sigma: float, n: int, delta: float, accountant: str) -> float:
         entries = [LedgerEntry(pq, ps, pn) for pq, ps, pn in prefix] + [LedgerEntry(q, sigma, n)]
         return self.tracker.epsilon(_Hypothetical(entries, delta, accountant))
 
     def _find_limit(self, key, n_next) -> int:
-        """Largest count m of the growing run with exact epsilon(prefix + m steps) <= target, knowing that
+        """Largest count m of the growing run with epsilon(prefix + m steps) <= target, knowing that
         epsilon at the tracker grid point g >= n_next is over the target (so m < g); cached under ``key``."""
         prefix, q, sigma, delta, accountant = key
         target = self.target_epsilon
@@ -118,7 +118,7 @@ class BudgetGuard:
     # ------------------------------------------------------------------------------------------ API
     def allows_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
                          sampler: str = "poisson") -> bool:
-        """True iff the exact epsilon of ``ledger`` with one more step (q, sigma) charged is <= target."""
+        """True iff the epsilon of ``ledger`` with one more step (q, sigma) charged is <= target."""
         key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
         if key is None:
             return False  # epsilon is infinite
@@ -132,7 +132,7 @@ class BudgetGuard:
 
     def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
                                 sampler: str = "poisson") -> float:
-        """Exact epsilon of ``ledger`` with one more step (q, sigma) charged (``inf`` for sigma = 0)."""
+        """The epsilon of ``ledger`` with one more step (q, sigma) charged (``inf`` for sigma = 0)."""
         key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
         if key is None:
             return math.inf
@@ -148,7 +148,7 @@ class BudgetGuard:
         prefix, q, sigma, delta, accountant = key
         limit = self._limits.get(key)
         if limit is None:
-            # grow a bracket on the tracker grid until its (exact, grid-point) value is over the target
+            # grow a bracket on the tracker grid until its (grid-point) value is over the target
             n = n_next
             while self._bound(prefix, q, sigma, n, delta, accountant) <= self.target_epsilon:
                 n = max(n + 1, self.tracker.grid_point(int(n * 1.5) + 1))
@@ -158,8 +158,8 @@ class BudgetGuard:
         return max(limit - (n_next - 1), 0)
 
     def epsilon_upper_bound(self, ledger) -> float:
-        """An upper bound on the ledger's exact epsilon that never exceeds the target while the ledger is
-        within it: the tracker's bound, tightened to the exact epsilon at the largest step count that fits
+        """An upper bound on the ledger's epsilon that never exceeds the target while the ledger is
+        within it: the tracker's bound, tightened to the ledger's epsilon at the largest step count that fits
         once that count is known (epsilon is non-decreasing in steps). This is what gets logged, so a run
         stopped by the budget never shows an epsilon above its target."""
         delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)

@@ -1,20 +1,32 @@
 """Noise calibration: the smallest-ish noise multiplier that meets a target epsilon.
 
-Epsilon of ``steps`` Poisson-subsampled Gaussian steps is computed by dp-accounting (PLD by default,
-Koskela et al. 2020 / Doroshenko et al. 2022; or RDP, Mironov 2017) and is decreasing in sigma, so
-sigma is found by bracketing followed by a safeguarded bisection on log(sigma). The answer is
-*conservative* (epsilon(sigma) <= target) and *tight* (epsilon(sigma) >= target * (1 - rtol)).
+Epsilon of ``steps`` Poisson-subsampled Gaussian steps is :func:`~.accountants.compute_epsilon` (PLD, or
+RDP where that is smaller; or RDP alone), which decreases with sigma. Sigma is bracketed with the cheap RDP
+bound first (the reported epsilon is never above RDP's, so the sigma where RDP meets the target is enough
+noise), then found by a safeguarded regula falsi on (log sigma, log epsilon) with the reported epsilon
+itself, so the answer is *conservative* (epsilon(sigma) <= target, as the ledger will compute it) and
+*tight* (epsilon(sigma) >= target * (1 - rtol)).
+
+Two kinds of target are met by every noise multiplier; they are accepted with a warning on rank 0 and the
+smallest multiplier searched, ``SIGMA_MIN``, is returned:
+
+* delta >= 1 - (1 - q)^steps, the probability that a given example is used in any step: then the run is
+  (0, delta)-DP whatever the noise (the two output distributions differ only when that example is sampled),
+  so any target holds -- and the guarantee says nothing, since delta allows releasing the examples used;
+* epsilon(SIGMA_MIN) <= target: even the least noise searched is private enough.
 """
 
 from __future__ import annotations
 
 import math
 
-from .accountants import _check_accountant, _check_delta, compute_epsilon
-from .ledger import LedgerEntry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-#: Search range for sigma. Below the floor the PLD grids get very large; above the ceiling no
-#: realistic target needs more noise.
+from .accountants import _check_accountant, _check_delta, _epsilon_of_runs, probability_ever_sampled
+from .rdp import COARSE_ORDERS, rdp_epsilon
+
+#: Search range for sigma. Below the floor no training is private in any useful sense; above the
+#: ceiling no realistic target needs more noise.
 SIGMA_MIN, SIGMA_MAX = 0.05, 1.0e4
 
 
@@ -33,7 +45,8 @@ def epsilon_for(noise_multiplier: float, delta: float, sample_rate: float, steps
                 accountant: str = "pld") -> float:
     """Epsilon (nats) of ``steps`` Poisson-subsampled Gaussian steps with sample rate q =
     ``sample_rate`` in (0, 1] and noise multiplier sigma = ``noise_multiplier`` >= 0, at ``delta``
-    in (0, 1), by ``accountant`` ("pld" default, or "rdp"). ``math.inf`` for sigma == 0.
+    in (0, 1), by ``accountant`` ("pld" default, or "rdp"): :func:`compute_epsilon` of that one run.
+    ``math.inf`` for sigma == 0.
 
     Raises ValueError naming the bad argument."""
     delta, q, steps = _check_common(delta, sample_rate, steps)
@@ -41,7 +54,15 @@ def epsilon_for(noise_multiplier: float, delta: float, sample_rate: float, steps
     s = float(noise_multiplier)
     if not (s >= 0.0 and math.isfinite(s)):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
-    return compute_epsilon([LedgerEntry(q, s, steps)], delta, accountant)
+    return _epsilon_of_runs(((q, s, steps),), delta, accountant)
+
+
+def _met_at_minimum(te: float, e_min: float, q: float, steps: int, delta: float) -> float:
+    rank_zero_warn(
+        f"target_epsilon={te:g} is met even by the least noise searched: noise_multiplier={SIGMA_MIN} gives "
+        f"epsilon <= {e_min:.4g} for q={q:g}, steps={steps}, delta={delta:g}. Using noise_multiplier={SIGMA_MIN}; "
+        "pass a smaller one explicitly if you need less noise.")
+    return SIGMA_MIN
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
@@ -54,15 +75,24 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         sample_rate: Poisson sample rate q in (0, 1] (expected batch size / dataset size).
         steps: number of optimizer steps, >= 1.
         accountant: "pld" (default, tight) or "rdp".
-        rtol: relative tolerance in (0, 1) below the target (default 0.01).
+        rtol: relative tolerance in (0, 1) below the target (default 0.01; the search stops in the upper
+            half of that window, so the noise is within a fraction of a percent of the least that works).
 
     Returns:
-        sigma (float).
+        sigma (float): epsilon(sigma) as :func:`epsilon_for` computes it is at most the target. When every
+        sigma meets the target (delta >= the probability that an example is ever sampled, or epsilon at
+        ``SIGMA_MIN`` already within it), ``SIGMA_MIN`` with a warning on rank 0 saying why.
 
     Raises:
         ValueError: naming the argument and the fix for invalid inputs, and when the target cannot be met
-            in [SIGMA_MIN, SIGMA_MAX] (e.g. a target so small that even sigma = 1e4 exceeds it, or
-            q <= delta so that epsilon stays below the target for any noise).
+            with sigma <= SIGMA_MAX.
+
+    Example::
+
+        >>> from lightning_dpzero.accounting import calibrate_noise_multiplier, epsilon_for
+        >>> sigma = calibrate_noise_multiplier(8.0, 1e-5, 0.01, 1000)
+        >>> 8.0 * 0.99 <= epsilon_for(sigma, 1e-5, 0.01, 1000) <= 8.0
+        True
     """
     te = float(target_epsilon)
     if not (te > 0.0 and math.isfinite(te)):
@@ -72,70 +102,92 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     _check_accountant(accountant)
     if not 0.0 < float(rtol) < 1.0:
         raise ValueError(f"rtol must be in (0, 1), got {rtol!r}; the default 0.01 means within 1 %.")
-    lo_target = te * (1.0 - float(rtol))
+    rtol = float(rtol)
+    used = probability_ever_sampled(((q, 1.0, steps),))
+    if used * (1 + 1e-12) <= delta:
+        rank_zero_warn(
+            f"target_epsilon={te:g} is met by any noise multiplier: delta={delta:g} is at least the probability "
+            f"{used:.3g} = 1 - (1 - q)^steps that a given example is used in any of the {steps} steps (q={q:g}), "
+            f"so the run is (0, delta)-DP even without noise, and the guarantee allows releasing the examples "
+            f"that are used. Using noise_multiplier={SIGMA_MIN} (the least searched). Choose delta well below "
+            f"1/N and below that probability for a meaningful guarantee.")
+        return SIGMA_MIN
 
     def eps(sigma: float) -> float:
-        return compute_epsilon([LedgerEntry(q, sigma, steps)], delta, accountant)
+        return _epsilon_of_runs(((q, sigma, steps),), delta, accountant)
+
+    # The coarse-order RDP bound costs about 2 ms per sigma and is never below the reported epsilon (which
+    # is at most the default-order RDP bound); its shape guides the search, so that few of the reported
+    # epsilons (each a PLD grid choice and composition) are needed.
+    def rdp(sigma: float) -> float:
+        return rdp_epsilon(((q, sigma, steps),), delta, COARSE_ORDERS)
+
+    def rdp_solve(value: float) -> float:
+        """The sigma (within 0.1 %) at which the RDP bound equals ``value``: decreasing in sigma."""
+        a, b = SIGMA_MIN, SIGMA_MAX
+        while b / a > 1.001:
+            mid = math.sqrt(a * b)
+            a, b = (mid, b) if rdp(mid) > value else (a, mid)
+        return b
+
+    if rdp(SIGMA_MIN) <= te:  # epsilon(SIGMA_MIN) is at most this bound
+        return _met_at_minimum(te, rdp(SIGMA_MIN), q, steps, delta)
+    if rdp(SIGMA_MAX) > te:
+        e_max = eps(SIGMA_MAX)
+        if e_max > te:
+            raise ValueError(f"target_epsilon={te:g} needs sigma > {SIGMA_MAX:g} for q={q:g}, steps={steps}, "
+                             f"delta={delta:g} (epsilon={e_max:.4g} at sigma={SIGMA_MAX:g}): raise target_epsilon "
+                             "or delta, or lower sample_rate or steps.")
+        hi, e_hi = SIGMA_MAX, e_max
+    else:
+        hi = rdp_solve(te)  # rdp(hi) <= te, hence eps(hi) <= te
+        e_hi = eps(hi)
+        while e_hi > te and hi < SIGMA_MAX:  # not expected (the reported epsilon is at most RDP's)
+            hi = min(hi * 1.2, SIGMA_MAX)
+            e_hi = eps(hi)
+    low_goal = te * (1.0 - rtol / 2.0)
+    goal = te * (1.0 - rtol / 4.0)
 
     def ok(e: float) -> bool:
-        return lo_target <= e <= te
+        return low_goal <= e <= te
 
-    # Bracket: sigma_lo too little noise (eps > te), sigma_hi enough (eps <= te).
-    sigma = 1.0
-    e = eps(sigma)
-    if ok(e):
-        return sigma
-    if e > te:
-        lo, e_lo = sigma, e
-        while True:
-            sigma = min(sigma * 2.0, SIGMA_MAX)
-            e = eps(sigma)
-            if ok(e):
-                return sigma
-            if e <= te:
-                hi, e_hi = sigma, e
-                break
-            if sigma >= SIGMA_MAX:
-                raise ValueError(f"target_epsilon={te} needs sigma > {SIGMA_MAX:g} for q={q}, "
-                                 f"steps={steps}, delta={delta}: raise target_epsilon or delta, or "
-                                 "lower sample_rate or steps.")
-            lo, e_lo = sigma, e
-    else:
-        hi, e_hi = sigma, e
-        while True:
-            sigma = max(sigma / 2.0, SIGMA_MIN)
-            e = eps(sigma)
-            if ok(e):
-                return sigma
-            if e > te:
-                lo, e_lo = sigma, e
-                break
-            if sigma <= SIGMA_MIN:
-                raise ValueError(f"target_epsilon={te} is not reached even with sigma={SIGMA_MIN} "
-                                 f"(epsilon={e:.4g}) for q={q}, steps={steps}, delta={delta}: "
-                                 "raise target_epsilon or lower delta (delta must be << sample_rate).")
-            hi, e_hi = sigma, e
-
-    # Safeguarded regula falsi on (log sigma, log eps), aiming at the middle of the window;
-    # falls back to plain bisection when the interpolation is unusable or slow.
-    goal = math.log(0.5 * (lo_target + te))
-    for it in range(100):
-        x_lo, x_hi = math.log(lo), math.log(hi)
-        x = 0.5 * (x_lo + x_hi)
-        if it % 3 != 2 and math.isfinite(e_lo) and e_hi > 0.0:
-            f_lo, f_hi = math.log(e_lo) - goal, math.log(e_hi) - goal
-            if f_lo != f_hi:
-                xi = x_lo + (x_hi - x_lo) * f_lo / (f_lo - f_hi)
-                width = x_hi - x_lo
-                x = min(max(xi, x_lo + 0.02 * width), x_hi - 0.02 * width)
-        sigma = math.exp(x)
+    if ok(e_hi):
+        return hi
+    # Secant on (log sigma, log eps) towards the goal, the first step in the RDP bound's shape (assuming
+    # eps / rdp stays as at hi, but by at most a factor 1.3), kept inside the bracket [lo, hi] once a lower
+    # end (eps > target) is known, and a bisection step whenever two steps have not halved the bracket.
+    lo, e_lo = None, math.inf
+    points = [(math.log(hi), math.log(e_hi))] if e_hi > 0 else []
+    widths = []
+    for _ in range(100):
+        if len(points) >= 2 and points[-1][1] != points[-2][1]:
+            (x0, y0), (x1, y1) = points[-2:]
+            x = x1 + (math.log(goal) - y1) * (x1 - x0) / (y1 - y0)
+        else:
+            x = max(math.log(rdp_solve(goal * rdp(hi) / e_hi)) if e_hi > 0 else -math.inf, math.log(hi / 1.3))
+        if lo is None:
+            x = min(x, math.log(hi / 1.1))
+        else:
+            x_lo, x_hi = math.log(lo), math.log(hi)
+            width = x_hi - x_lo
+            widths.append(width)
+            if len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
+                x, widths = 0.5 * (x_lo + x_hi), []
+            else:
+                x = min(max(x, x_lo + 0.01 * width), x_hi - 0.01 * width)
+        sigma = max(math.exp(x), SIGMA_MIN)
         e = eps(sigma)
         if ok(e):
             return sigma
         if e > te:
             lo, e_lo = sigma, e
         else:
+            if sigma <= SIGMA_MIN:
+                return _met_at_minimum(te, e, q, steps, delta)
             hi, e_hi = sigma, e
-        if hi / lo - 1.0 < 1e-12:
+        if e > 0:
+            points.append((math.log(sigma), math.log(e)))
+        # epsilon jumps slightly where the PLD grid changes with sigma; stop once the bracket is tight
+        if lo is not None and hi / lo - 1.0 < 1e-6 and e_hi >= te * (1.0 - rtol):
             break
-    return hi  # conservative; only reached if epsilon(sigma) jumps across the window
+    return hi  # conservative: epsilon(hi) <= target

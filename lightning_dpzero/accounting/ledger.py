@@ -2,7 +2,7 @@
 
 A ledger is an ordered list of runs of identical DP-SGD steps ``(q, sigma, steps, sampler)`` plus
 fixed metadata (delta, dataset size N, accountant, run id) and a SHA-256 hash chain over the entries
-and the metadata. Epsilon is always recomputed from the entries by dp-accounting
+and the metadata. Epsilon is always recomputed from the entries with dp-accounting
 (see :mod:`lightning_dpzero.accounting.accountants`); it is never stored as a number to trust.
 
 The hash chain is tamper-*evidence* against hand edits and corruption (a changed step count, sigma,
@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .._atomic import atomic_write_text
-from .accountants import _check_accountant, _check_delta, compute_epsilon
+from .accountants import EpsilonBound, _check_accountant, _check_delta, epsilon_bound
 
 SAMPLERS = ("poisson", "shuffle")
 FORMAT = "lightning_dpzero.privacy_ledger"
@@ -187,11 +187,18 @@ class PrivacyLedger:
         return sum(e.steps for e in self.entries)
 
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
-        """Exact epsilon (dp-accounting) of all entries at ``delta`` (default: the ledger's) with
-        ``accountant`` (default: the ledger's). ``math.inf`` if any entry has sigma == 0; 0.0 if no
-        steps."""
-        return compute_epsilon(self.entries, self.delta if delta is None else delta,
-                               self.accountant if accountant is None else accountant)
+        """Epsilon of all entries at ``delta`` (default: the ledger's) with ``accountant`` (default: the
+        ledger's): a valid upper bound on the true epsilon, by
+        :func:`~lightning_dpzero.accounting.compute_epsilon` (for "pld" the PLD bound, or the RDP bound
+        where that is smaller; :meth:`epsilon_bound` says which). ``math.inf`` if any entry has
+        sigma == 0; 0.0 if no steps."""
+        return self.epsilon_bound(delta, accountant).epsilon
+
+    def epsilon_bound(self, delta: float | None = None, accountant: str | None = None) -> EpsilonBound:
+        """:meth:`epsilon` with what produced it: an :class:`~lightning_dpzero.accounting.EpsilonBound`
+        (``.method`` is "pld" or "rdp", with both bounds and the PLD grid)."""
+        return epsilon_bound(self.entries, self.delta if delta is None else delta,
+                             self.accountant if accountant is None else accountant)
 
     def same_run(self, other: "PrivacyLedger") -> bool:
         """True if ``other`` belongs to the same run: run_id, delta, dataset_size, accountant equal."""

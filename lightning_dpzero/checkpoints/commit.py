@@ -58,25 +58,6 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"size": size, "sha256": h.hexdigest()}
 
 
-def verify_checkpoint(path) -> dict:
-    """Verify a checkpoint directory written by :class:`DPDeepSpeedStrategy` without loading it (one process).
-
-    Returns its ``privacy_commit.json`` (``global_step``, ``ledger_steps``, ``ledger_head``, ``run_id``, ``files``)
-    after checking that every file matches its recorded size and SHA-256 and that ``privacy_ledger.json`` is the
-    ledger the marker names. Raises :class:`IncompleteCheckpointError` or :class:`CheckpointIntegrityError`.
-    """
-    directory = Path(path)
-    commit = read_commit(directory, required=True)
-    if commit is None:
-        raise IncompleteCheckpointError(f"{directory} has no {COMMIT_FILE}: not a complete DPDeepSpeedStrategy "
-                                        "checkpoint.")
-    raise_file_problems(directory, file_problems(directory, commit, sorted(commit["files"]), True))
-    if (directory / LEDGER_FILE).exists():
-        ledger = PrivacyLedger.load(directory / LEDGER_FILE)
-        check_commit_matches(directory, commit, ledger, commit.get("global_step"))
-    return commit
-
-
 def read_commit(directory: Path, required: bool) -> Optional[dict]:
     """The parsed marker; None if absent and the directory does not look half-written; raises otherwise."""
     marker = directory / COMMIT_FILE

@@ -21,9 +21,9 @@ from .._atomic import atomic_write_text, fsync_dir
 from .._collectives import Collectives, gather_dicts, gather_lists
 from ..accounting import PrivacyLedger
 from .commit import (CheckpointIntegrityError, check_commit_matches, checkpoint_files, file_digest, file_problems,
-                     raise_file_problems, read_commit, write_commit)
+                     raise_file_problems, write_commit)
 from .format import COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY
-from .safe_load import UnsafeCheckpointError, unsafe_pickle_reason
+from .verify import check_ledgers, check_steps_cover, check_world_size, raise_unsafe, require_commit, scan_problems
 
 
 class CheckpointProtocol:
@@ -118,54 +118,61 @@ class CheckpointProtocol:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(Path(filepath) / COMMIT_FILE)
 
-    def verify(self, checkpoint_path, required: bool, trust_pickles: bool) -> Optional[dict]:
-        """Before DeepSpeed unpickles anything: the commit marker must exist and every file must match its size
-        and SHA-256 (``required``, i.e. when fitting; otherwise a directory without marker loads with a warning
-        unless it was left half-written), and every ``.pt`` file must load with ``torch.load(weights_only=True)``
-        (unless ``trust_pickles``). Returns the marker (None for a path that is not a directory, or has none).
+    def verify(self, checkpoint_path, required: bool, trust_pickles: bool, zero_stage: Optional[int] = None
+               ) -> Optional[dict]:
+        """Before DeepSpeed unpickles anything, the checks of :mod:`~lightning_dpzero.checkpoints.verify`: the
+        commit marker (``required``, i.e. when fitting; otherwise a directory without marker loads with a warning
+        unless it was left half-written), every file against its size and SHA-256 (the ranks share the hashing),
+        every ``.pt`` file with ``torch.load(weights_only=True)`` (unless ``trust_pickles``), and, when fitting, the
+        ledgers against each other, the marker and the weights' step counts, and the number of processes the
+        shards were written for (``zero_stage``: this run's). Every rank reaches the same verdict. Returns the
+        marker (None for a path that is not a directory, or has none).
 
         Raises:
-            IncompleteCheckpointError: no marker (the save was interrupted, or not written by this strategy).
-            CheckpointIntegrityError: the files and the marker disagree.
+            IncompleteCheckpointError: no marker (the save was interrupted, or the marker was removed).
+            CheckpointIntegrityError: the files, the ledgers, the marker or the step counts disagree.
             UnsafeCheckpointError: a file holds objects that unpickling could execute.
+            ValueError: ZeRO shards written by another number of processes, which DeepSpeed cannot load.
         """
         path = Path(checkpoint_path)
         if not path.is_dir():
             return None
-        commit = self._verify_files(path, required)
-        if not trust_pickles:
-            self._scan_pickles(path)
-        return commit
-
-    def _verify_files(self, directory: Path, required: bool) -> Optional[dict]:
-        """Check the commit marker and the files it lists (the ranks share the hashing). Returns the marker."""
-        commit = read_commit(directory, required)
+        commit = self._agreed(lambda: require_commit(path, required, trust_pickles))
         if commit is None:
             if not required:
-                rank_zero_warn(f"{directory} has no {COMMIT_FILE} (not written by DPDeepSpeedStrategy); loading "
+                rank_zero_warn(f"{path} has no {COMMIT_FILE} (not written by DPDeepSpeedStrategy); loading "
                                "it unverified.")
             return None  # when fitting: not written by this strategy; the ledger check names the problem
-        problems = file_problems(directory, commit, self._share(sorted(commit["files"])),
+        problems = file_problems(path, commit, self._share(sorted(commit["files"])),
                                  check_unlisted=self.dist.is_global_zero)
-        raise_file_problems(directory, gather_lists(problems, self.dist.world_size))
+        raise_file_problems(path, gather_lists(problems, self.dist.world_size))
+        if not trust_pickles:
+            self._scan_pickles(path)
+        if required:
+            self._agreed(lambda: check_ledgers(path, commit, trust_pickles))
+            check_world_size(path, commit, self.dist.world_size, zero_stage)
         return commit
+
+    def _agreed(self, check: Callable[[], Any]) -> Any:
+        """``check()`` on rank 0; its result, or the error it raised, on every rank (a refusal on one rank only
+        would leave the others waiting in DeepSpeed's collectives)."""
+        outcome = None
+        if self.dist.is_global_zero:
+            try:
+                outcome = (True, check())
+            except (ValueError, OSError) as exc:  # the checkpoint errors are ValueErrors
+                outcome = (False, exc)
+        ok, value = self.dist.broadcast(outcome) if self.dist.world_size > 1 else outcome
+        if not ok:
+            raise value
+        return value
 
     def _scan_pickles(self, directory: Path) -> None:
         """``torch.load(weights_only=True)`` every ``.pt`` file before DeepSpeed unpickles it fully."""
         dist = self.dist
         names = dist.broadcast(sorted(n for n in checkpoint_files(directory) if n.endswith(".pt"))
                                if dist.is_global_zero else None)
-        problems = []
-        for name in self._share(names):
-            reason = unsafe_pickle_reason(directory / name)
-            if reason:
-                problems.append(f"{name}: {reason}")
-        problems = gather_lists(problems, dist.world_size)
-        if problems:
-            raise UnsafeCheckpointError(
-                f"The checkpoint {directory} holds objects that loading could execute as code "
-                f"({'; '.join(problems[:3])}). Nothing was unpickled. If you wrote this checkpoint yourself and "
-                "trust it, set `strategy.trust_checkpoint_pickles = True` before fitting; otherwise do not load it.")
+        raise_unsafe(directory, gather_lists(scan_problems(directory, self._share(names)), dist.world_size))
 
     @staticmethod
     def loaded_ledger(checkpoint_path, checkpoint: dict, commit: Optional[dict]) -> PrivacyLedger:
@@ -195,8 +202,5 @@ class CheckpointProtocol:
         global_step = int(checkpoint.get("global_step", 0))
         if commit is not None:
             check_commit_matches(path, commit, ledger, global_step)
-        if ledger.steps < global_step:
-            raise CheckpointIntegrityError(
-                f"The checkpoint {checkpoint_path} holds weights after {global_step} optimizer steps but its privacy "
-                f"ledger charges only {ledger.steps}; the ε it would report is too small. Refusing to resume.")
+        check_steps_cover(checkpoint_path, ledger, global_step)
         return ledger

@@ -163,6 +163,11 @@ class UnsupportedLayerError(RuntimeError):
     """A trainable parameter would not receive a clipped per-example gradient (docs/design.md, I5)."""
 
 
+class RuleDoesNotApply(UnsupportedLayerError):
+    """Raised by :meth:`LayerRule.check` for a module that its registration matched (by class name) but whose
+    forward the rule does not compute: the engine gives the module the generic rule instead (coverage.py)."""
+
+
 class Inputs(tuple):
     """The tensors of one call of a multi-input layer (batch first) and its other arguments ``options``.
     ``shape`` is the first tensor's: the engine reads the batch size from ``shape[0]``."""

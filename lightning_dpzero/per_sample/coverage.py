@@ -1,57 +1,178 @@
-"""What the engine refuses when it attaches, before any training (docs/design.md, *Invariants*, I5): layers
-whose training forward is not per-example, and trainable parameters that no rule covers, each named with the
-reason and the fix."""
+"""Which site covers each trainable parameter, and what the engine refuses when it attaches, before any training
+(docs/design.md, *Invariants*, I5).
+
+Each module with trainable parameters of its own gets, in this order:
+
+1. its dedicated rule (``registry.find_rule``), when the rule knows every parameter of the module;
+2. nothing, when a parent's rule owns it (attention's ``out_proj``);
+3. per-example views (``parameters.py``), when its trainable parameters of its own all have first dimension 1
+   (a class token, a position embedding) and it is no subclass of a layer with a rule;
+4. the generic rule (``generic.py``: torch.func per example over its forward), when no child module below it
+   holds a trainable parameter;
+5. otherwise none: the parameters are refused, one line per module class with the reason and the fix.
+
+Refusals name each module class once (a 32-layer model prints one line per cause, not one per parameter).
+The guard on every covered parameter (I5 at run time) is installed here too.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from .base import UnsupportedLayerError
-from .registry import has_registered_base, unsupported_reason
+from .base import LayerHook, RuleDoesNotApply, UnsupportedLayerError
+from .generic import GenericHook
+from .parameters import ParameterHook, broadcast_candidates
+from .registry import find_rule, has_registered_base, owned_children, unsupported_reason
+
+#: module names a refusal line lists before "and N more"
+SHOWN = 3
 
 
 def check_batch_mixing(module: nn.Module) -> None:
-    """Refuse layers whose training forward is not per-example, trainable or not."""
-    bad = []
+    """Refuse layers whose training forward is not per-example, trainable or not (one line per class)."""
+    bad: dict[tuple[str, str], list[str]] = {}
     for name, mod in module.named_modules():
+        cls = type(mod).__name__
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            bad.append(f"{type(mod).__name__} '{name}': its training forward normalises with statistics of the "
-                       "whole batch, so one example changes every other example's gradient; use GroupNorm or "
-                       "LayerNorm")
+            why = ("its training forward normalises with statistics of the whole batch, so one example changes "
+                   "every other example's gradient; use GroupNorm or LayerNorm")
         elif getattr(mod, "track_running_stats", False):
-            bad.append(f"{type(mod).__name__} '{name}': track_running_stats=True keeps running statistics of the "
-                       "private data without noise in the released model; construct it with "
-                       "track_running_stats=False")
+            why = ("track_running_stats=True keeps running statistics of the private data without noise in the "
+                   "released model; construct it with track_running_stats=False")
+        else:
+            continue
+        bad.setdefault((cls, why), []).append(name or "<root>")
     if bad:
         raise UnsupportedLayerError("Differential privacy cannot be guaranteed with these layers, even frozen:\n"
-                                    "  - " + "\n  - ".join(bad))
+                                    "  - " + "\n  - ".join(f"{cls} {_names(names)}: {why}"
+                                                           for (cls, why), names in bad.items()))
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+def _trainable_below(mod: nn.Module) -> list[str]:
+    """Names of the child modules of ``mod`` that hold trainable parameters (at any depth)."""
+    return [n for n, c in mod.named_children() if any(p.requires_grad for p in c.parameters())]
+
+
+def attach_hooks(engine, module: nn.Module) -> tuple[list[LayerHook], set[int], set[int]]:
+    """Replace the forward of every module that gets a site (instance attribute only); returns the hooks, the
+    ids of the parameters they cover, and the ids of the child modules a parent's rule owns."""
+    hooks: list[LayerHook] = []
+    covered: set[int] = set()
+    owned: set[int] = set()  # ids of child modules whose parent's rule clips their parameters
+
+    def install(hook: LayerHook) -> None:
+        hook.module.forward = hook
+        hooks.append(hook)
+        covered.update(id(p) for p in hook.rule.params(hook.module) if p is not None)
+
+    skipped = []
+    for name, mod in module.named_modules():  # 1. dedicated rules (a parent before its children)
+        rule = None if id(mod) in owned else find_rule(mod)
+        if rule is None:
+            skipped.append((name, mod))
+            continue
+        owned |= {id(c) for c in owned_children(mod, rule)}
+        params = [p for p in rule.params(mod) if p is not None]
+        if not any(p.requires_grad for p in params):
+            continue
+        if {id(p) for p in mod.parameters(recurse=False)} - {id(p) for p in params}:
+            skipped.append((name, mod))  # parameters the rule does not know: the generic rule, below
+            continue
+        try:
+            rule.check(mod, name or type(mod).__name__)
+        except RuleDoesNotApply:
+            skipped.append((name, mod))
+            continue
+        install(LayerHook(engine, mod, name or type(mod).__name__, rule))
+    for name, mod in skipped:  # 2.-4.
+        own = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
+        if id(mod) in owned or not own:
+            continue
+        candidates = broadcast_candidates(mod)
+        views = [n for n in candidates if id(mod._parameters[n]) not in covered]
+        if not has_registered_base(mod) and set(own) <= set(candidates):
+            if views:
+                install(ParameterHook(engine, mod, name or "<root>", views))
+        elif not _trainable_below(mod):
+            install(GenericHook(engine, mod, name or type(mod).__name__, own))
+    return hooks, covered, owned
 
 
 def has_rule_or_owner(mod: nn.Module, owned: set[int]) -> bool:
-    """``mod`` is (a subclass of) a layer with a rule, or a child whose parent's rule owns it (``owned``: ids):
-    its direct parameters are never treated as parameters used directly by a forward (``parameters.py``)."""
+    """``mod`` is (a subclass of) a layer with a rule, or a child whose parent's rule owns it (``owned``: ids)."""
     return id(mod) in owned or has_registered_base(mod)
 
 
+def _reason(mod: nn.Module, names: list[str], owned: set[int]) -> str:
+    cls = type(mod).__name__
+    if id(mod) in owned:
+        return unsupported_reason(mod, owned=True)
+    shapes = ", ".join(f"{n} of shape {tuple(mod._parameters[n].shape)}" for n in names)
+    children = ", ".join(_trainable_below(mod))
+    why = (f"parameters of its own ({shapes}) used by {cls}'s forward next to child modules with trainable "
+           f"parameters ({children}): the generic rule (torch.func per example over a module's forward) covers a "
+           "module's own parameters only when no child below it is trainable, and a parameter used directly next "
+           "to trainable children only when its first dimension is 1 and the forward broadcasts it over the batch "
+           "(a class token (1, 1, d), a position embedding (1, T, d))")
+    detail = unsupported_reason(mod)
+    if has_registered_base(mod) and not detail.startswith("no per-example rule"):
+        why += f"; besides, {detail}"
+    return (f"{why}. Fix: move these parameters into a small module of their own (holding them and doing the "
+            f"computation that uses them, called from {cls}.forward), register a rule for {cls} "
+            "(lightning_dpzero.per_sample.register_rule), or freeze them (requires_grad_(False))")
+
+
 def check_coverage(module: nn.Module, covered: set[int], owned: set[int]) -> None:
-    """Refuse, in one message with one line per cause, every trainable parameter whose id is not in
-    ``covered``."""
-    missing = []
+    """Refuse, in one message with one line per module class and cause, every trainable parameter whose id is
+    not in ``covered``."""
+    lines: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}
     for mname, mod in module.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            if p.requires_grad and id(p) not in covered:
-                full = f"{mname}.{pname}" if mname else pname
-                reason = unsupported_reason(mod, owned=id(mod) in owned)
-                if not has_rule_or_owner(mod, owned):
-                    reason = (f"a parameter of shape {tuple(p.shape)} used directly by {type(mod).__name__}'s "
-                              "forward; such a parameter is supported only when its first dimension is 1 and "
-                              "the forward broadcasts it over the batch (a class token (1, 1, d), a position "
-                              "embedding (1, T, d)). Otherwise put it in a supported layer. " + reason)
-                missing.append(f"'{full}' of {type(mod).__name__} '{mname or '<root>'}': {reason}")
-    if missing:
+        names = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad and id(p) not in covered]
+        if names:
+            key = (type(mod).__name__, _reason(mod, names, owned))
+            lines.setdefault(key, []).append((mname or "<root>", names))
+    if not lines:
+        return
+    out = []
+    for (cls, reason), mods in lines.items():
+        first, names = mods[0]
+        params = ", ".join(f"'{first + '.' if first != '<root>' else ''}{n}'" for n in names)
+        more = f" and {len(mods) - 1} more {cls} modules ({_names([m for m, _ in mods[1:]])})" if len(mods) > 1 else ""
+        out.append(f"{params} of {cls} '{first}'{more}: {reason}")
+    raise UnsupportedLayerError(
+        "Differential privacy needs a clipped per-example gradient for every trainable parameter, "
+        "but these are not covered:\n  - " + "\n  - ".join(out))
+
+
+# ---------------------------------------------------------------- the guard (docs/design.md, I5 at run time)
+def install_guards(engine, named) -> list:
+    """A hook on every covered parameter (``named``: (name, parameter)) checks, in each backward, that the
+    gradient about to be accumulated is exactly what the engine's sites returned: a use of the parameter
+    outside its layer (``F.linear(h, emb.weight)`` for a tied head, a class token used in ``training_step``)
+    or a forward that skipped the engine (the module in ``eval()`` mode while training) would otherwise add
+    an unclipped, non-private gradient silently. Returns the hook handles."""
+    return [p.register_hook(_guard(engine, name, p)) for name, p in named]
+
+
+def _guard(engine, name: str, p):
+    def check(grad) -> None:
+        if not engine.active:
+            return
+        emitted = engine._emitted.pop(id(p), None)
+        if emitted is grad or (emitted is not None and emitted.shape == grad.shape
+                               and torch.equal(emitted.to(grad.dtype), grad)):
+            return
         raise UnsupportedLayerError(
-            "Differential privacy needs a clipped per-example gradient for every trainable parameter, "
-            "but these are not covered:\n  - " + "\n  - ".join(dict.fromkeys(missing))
-            + "\nFix: replace the layer with a supported one (e.g. BatchNorm -> GroupNorm/LayerNorm), or "
-            "freeze the parameter with requires_grad=False."
-        )
+            f"Parameter '{name}' received a gradient that did not pass through per-example clipping, which "
+            "would make training non-private. Either it is used outside the forward of the layer that owns "
+            "it (e.g. a tied output head computed as F.linear(h, embedding.weight): call the layer, or use "
+            "an nn.Linear whose weight is the embedding's), or the model's forward ran without the engine "
+            "(module in eval() mode or under a custom autograd path during training).")
+    return check
+

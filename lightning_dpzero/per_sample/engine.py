@@ -5,6 +5,7 @@ Usage without Lightning (the functional API the strategy uses)::
 
     engine = PerSampleEngine(model, max_grad_norm=1.0, clipping="layer-wise")
     engine.attach()
+    engine.check_layout(lambda i: model(x if i is None else x[i]).pow(2).mean(), B)  # once, before training
     with engine.micro_batch(batch_size=B):           # loss = mean of the B per-example losses
         model(x).pow(2).mean().backward()
     # every trainable p.grad now holds Σ_i clip(g_i)  (the *sum* of clipped per-example gradients)
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -36,9 +37,7 @@ from torch import nn
 from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
-from .coverage import check_batch_mixing, check_coverage, has_rule_or_owner
-from .parameters import ParameterHook, broadcast_candidates
-from .registry import find_rule, owned_children
+from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
 from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
@@ -86,6 +85,8 @@ class PerSampleEngine:
         self.clipping_fn, self.gamma, self.loss_reduction = clipping_fn, gamma, loss_reduction
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
+        self._layout = None  # the layout check's recorder while it runs (layout.py)
+        self.layout_verified = False  # every rank passed the layout check with two or more examples
         self._guards: list = []
         self.active = False
         # Set per micro-batch by the caller (see ``micro_batch``):
@@ -106,37 +107,13 @@ class PerSampleEngine:
         if self.hooks:
             return self
         check_batch_mixing(self.module)
-        covered: set[int] = set()
-        owned: set[int] = set()  # ids of child modules whose parent's rule clips their parameters
-        for name, mod in self.module.named_modules():  # a parent before its children
-            rule = None if id(mod) in owned else find_rule(mod)
-            if rule is None:
-                continue
-            owned |= {id(c) for c in owned_children(mod, rule)}
-            params = [p for p in rule.params(mod) if p is not None]
-            if not any(p.requires_grad for p in params):
-                continue
-            if {id(p) for p in mod.parameters(recurse=False)} - {id(p) for p in params}:
-                continue  # parameters the rule does not know: reported as uncovered below
-            rule.check(mod, name or type(mod).__name__)
-            covered |= {id(p) for p in params}
-            hook = LayerHook(self, mod, name or type(mod).__name__, rule)
-            mod.forward = hook
-            self.hooks.append(hook)
-        for name, mod in self.module.named_modules():  # parameters used directly by a forward (parameters.py)
-            if not has_rule_or_owner(mod, owned):  # no rule, and not a (refused) subclass of a layer with one
-                names = [n for n in broadcast_candidates(mod) if id(mod._parameters[n]) not in covered]
-                if names:
-                    hook = ParameterHook(self, mod, name or "<root>", names)
-                    covered |= {id(p) for p in hook.params_}
-                    mod.forward = hook
-                    self.hooks.append(hook)
         try:
+            self.hooks, covered, owned = attach_hooks(self, self.module)
             check_coverage(self.module, covered, owned)
         except UnsupportedLayerError:
             self.detach()
             raise
-        self._install_guards()
+        self._guards = install_guards(self, self._trainable_named())
         self.active = True
         if self.clipping != "group-wise" or self._group_spec is not None:
             self.set_groups(self._group_spec, self._group_norms)
@@ -145,9 +122,10 @@ class PerSampleEngine:
     @property
     def zero3_leaf_types(self) -> list[type]:
         """Module types whose rule reads child modules' weights without calling them (e.g. attention's
-        ``out_proj``): ZeRO-3 must gather them as one leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
-        return sorted({type(h.module) for h in self.hooks if h.rule.owned_children},
-                      key=lambda t: t.__name__)
+        ``out_proj``), or whose generic rule re-runs their forward in backward: ZeRO-3 must gather them as one
+        leaf (``deepspeed.utils.set_z3_leaf_modules``)."""
+        leaves = {type(h.module) for h in self.hooks if h.rule.owned_children or getattr(h, "zero3_leaf", False)}
+        return sorted(leaves, key=lambda t: t.__name__)
 
     def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]  # tied: first name
@@ -195,32 +173,6 @@ class PerSampleEngine:
         for handle in self._guards:
             handle.remove()
         self.hooks, self._guards, self.active = [], [], False
-
-    # ---------------------------------------------------------------- guard (docs/design.md, I5 at run time)
-    def _install_guards(self) -> None:
-        """A hook on every covered parameter checks, in each backward, that the gradient about to be
-        accumulated is exactly what the engine's sites returned: a use of the parameter outside its layer
-        (``F.linear(h, emb.weight)`` for a tied head, a class token used in ``training_step``) or a forward
-        that skipped the engine (the module in ``eval()`` mode while training) would otherwise add an
-        unclipped, non-private gradient silently."""
-        for name, p in self._trainable_named():
-            self._guards.append(p.register_hook(self._guard(name, p)))
-
-    def _guard(self, name: str, p: nn.Parameter):
-        def check(grad: torch.Tensor) -> None:
-            if not self.active:
-                return
-            emitted = self._emitted.pop(id(p), None)
-            if emitted is grad or (emitted is not None and emitted.shape == grad.shape
-                                   and torch.equal(emitted.to(grad.dtype), grad)):
-                return
-            raise UnsupportedLayerError(
-                f"Parameter '{name}' received a gradient that did not pass through per-example clipping, which "
-                "would make training non-private. Either it is used outside the forward of the layer that owns "
-                "it (e.g. a tied output head computed as F.linear(h, embedding.weight): call the layer, or use "
-                "an nn.Linear whose weight is the embedding's), or the model's forward ran without the engine "
-                "(module in eval() mode or under a custom autograd path during training).")
-        return check
 
     def clipping_now(self) -> bool:
         """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
@@ -278,6 +230,7 @@ class PerSampleEngine:
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
         if not self.clipping_now():
+            self._record_call(hook, (x, *extra[0]), extra[1])
             return hook.original_forward(x, extra)
         found = hook.rule.batch_size(hook.module, x, extra)
         if found is None:
@@ -305,6 +258,43 @@ class PerSampleEngine:
             )
         self._register_site(hook)
         return run_call(hook, x, hook.rule.params(hook.module), extra)
+
+    def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
+                     collectives: Any = None) -> bool:
+        """Prove, before the first update, that every layer's input is batch first and per example: two
+        forwards without gradients, the second on the micro-batch re-indexed (``layout.py``). Call it with the
+        micro-batch before its training forward until it returns True (``layout_verified``: every rank has
+        passed it with two or more examples); the strategy does so at each fit.
+
+        Args:
+            run_forward: ``run_forward(index)`` runs the forward and loss on the micro-batch, every tensor of
+                it whose first dimension is B indexed by ``index`` (``None``: unchanged), e.g.
+                ``lambda i: loss_fn(model(x if i is None else x[i]), y)``; ``layout.reindex_batch`` does it
+                for any batch structure.
+            batch_size: B.
+            collectives: the ranks (any Lightning strategy); ``None`` for one process.
+
+        Raises:
+            UnsupportedLayerError: naming each layer whose input is not batch first and per example (time
+                first, shared by every example, mixing examples) and the fix.
+
+        Example:
+            >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            >>> engine = PerSampleEngine(model).attach()
+            >>> x = torch.randn(5, 4)
+            >>> engine.check_layout(lambda i: model(x if i is None else x[i]).sum(), batch_size=5)
+            True
+        """
+        from .layout import run_layout_check
+
+        if not self.layout_verified:
+            self.layout_verified = run_layout_check(self, run_forward, batch_size, collectives)
+        return self.layout_verified
+
+    def _record_call(self, hook: LayerHook, args: tuple, kwargs: dict) -> None:
+        """A call of an attached layer while the engine does not clip: recorded while the layout check runs."""
+        if self._layout is not None:
+            self._layout.record(hook, args, kwargs)
 
     def _register_site(self, hook: LayerHook) -> None:
         for k in hook.groups:

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .base import LayerHook, LayerRule, Site, UnsupportedLayerError
-from .maths import per_example_sq, weighted_sum
+from .base import LayerHook, Site, UnsupportedLayerError
+from .generic import InstantiatedGradsRule
 
 
 #: perturbation rounds of the once-per-module locality check: 2 * CHECK_BITS forwards without gradients
@@ -48,27 +48,10 @@ def broadcast_candidates(module: nn.Module) -> list[str]:
             if p.requires_grad and p.dim() >= 1 and p.shape[0] == 1]
 
 
-class BroadcastParameterRule(LayerRule):
-    """Per-example norms and clipped sums for a module's direct parameters ``P`` of shape ``(1, *S)``.
-
-    ``site.x`` is an empty ``(B, 0)`` tensor (only its batch size is read); ``site.g`` is a tuple with, per parameter,
-    the gradient of its per-example view, ``(B, *S)`` (zeros when this forward did not use it).
-    """
-
-    def __init__(self, names: list[str], params: list[nn.Parameter]):
-        self.param_names, self._params = tuple(names), list(params)
-
-    def params(self, module):
-        return list(self._params)  # the Parameters themselves, also while their views are swapped in
-
-    def norm_sq(self, site, mask):
-        return [per_example_sq(gi) if m else None for gi, m in zip(site.g, mask)]
-
-    def per_example(self, site, mask):
-        return [gi.float().unsqueeze(1) if m else None for gi, m in zip(site.g, mask)]
-
-    def clipped_grads(self, site, coef, mask):
-        return [weighted_sum(gi, coef).unsqueeze(0) if m else None for gi, m in zip(site.g, mask)]
+class BroadcastParameterRule(InstantiatedGradsRule):
+    """Per-example norms and clipped sums for a module's direct parameters ``P`` of shape ``(1, *S)``: ``site.g``
+    holds, per parameter, the gradient of its per-example view as ``(B, 1, *S)`` (zeros when this forward did
+    not use it)."""
 
 
 class BroadcastParameterFunction(torch.autograd.Function):
@@ -84,7 +67,7 @@ class BroadcastParameterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         params = ctx.saved_tensors
-        site = Site(ctx.hook, torch.empty(ctx.b, 0, device=params[0].device), grads)
+        site = Site(ctx.hook, torch.empty(ctx.b, 0, device=params[0].device), tuple(g.unsqueeze(1) for g in grads))
         return (None, None, *ctx.hook.engine._on_backward(site, list(params)))
 
 
@@ -125,6 +108,7 @@ class ParameterHook(LayerHook):
     def __call__(self, *args, **kwargs):
         eng = self.engine
         if not eng.clipping_now():
+            eng._record_call(self, args, kwargs)
             return self.module_forward(*args, **kwargs)
         b = eng.expected_batch_size if eng.expected_batch_size is not None else _batch_size(args, kwargs)
         if b is None:

@@ -21,27 +21,30 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(cases, out_dir, world_size=2, timeout=300, random_kill=None, grace=2.0):
+def launch(cases, out_dir, world_size=2, timeout=300, random_kill=None, grace=2.0, sigterm=None):
     """Run ``cases`` on ``world_size`` ranks. ``random_kill = (rng, started_file, max_delay_s)``: once
-    ``started_file`` exists, wait uniform(0, max_delay_s) and SIGKILL a random rank.
+    ``started_file`` exists, wait uniform(0, max_delay_s) and SIGKILL a random rank. ``sigterm = (started_file,
+    delay_s)``: that long after ``started_file`` exists, SIGTERM the ranks' process group (what a cluster
+    scheduler does on preemption); a job still running ``timeout`` seconds after the start is SIGKILLed.
 
-    Returns ``{"codes": [...], "killed": (rank, delay) or None, "log": rank0 log tail}``; a negative code is the
-    signal that ended the rank."""
+    Returns ``{"codes": [...], "killed": (rank, delay) or None, "log": rank0 log tail, "sigterm_to_exit": seconds
+    from the SIGTERM until the last rank exited (None without one)}``; a negative code is the signal that ended
+    the rank."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = out_dir / f"cases{random.getrandbits(32):08x}.json"
     cfg.write_text(json.dumps(cases))
     for _ in range(3):
-        res = _launch_once(cfg, out_dir, world_size, timeout, random_kill, grace)
+        res = _launch_once(cfg, out_dir, world_size, timeout, random_kill, grace, sigterm)
         # only a lost race for the rendezvous port is retried
         if not any(res["codes"]) or "address already in use" not in res["log"].lower():
             return res
     return res
 
 
-def _launch_once(cfg, out_dir, world_size, timeout, random_kill, grace):
+def _launch_once(cfg, out_dir, world_size, timeout, random_kill, grace, sigterm=None):
     port = _free_port()
-    procs, logs = [], []
+    procs, logs, group = [], [], {"process_group": 0}  # a process group of the job's own
     for rank in range(world_size):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                    RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size),
@@ -50,13 +53,18 @@ def _launch_once(cfg, out_dir, world_size, timeout, random_kill, grace):
         logs.append(log_path)
         with open(log_path, "w") as log:
             procs.append(subprocess.Popen([sys.executable, str(HERE / "crash_worker.py"), str(cfg), str(out_dir)],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-    start, killed, kill_at, first_death = time.monotonic(), None, None, None
+                                          env=env, stdout=log, stderr=subprocess.STDOUT, **group))
+        group = {"process_group": procs[0].pid}  # every rank in the first one's new process group
+    start, killed, kill_at, first_death, term_at = time.monotonic(), None, None, None, None
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
+        if sigterm is not None and term_at is None and Path(sigterm[0]).exists():
+            time.sleep(sigterm[1])
+            term_at = time.monotonic()
+            os.killpg(procs[0].pid, signal.SIGTERM)
         if random_kill is not None and killed is None:
             rng, started, max_delay = random_kill
             if kill_at is None and Path(started).exists():
@@ -67,12 +75,14 @@ def _launch_once(cfg, out_dir, world_size, timeout, random_kill, grace):
                 killed = (killed_rank, round(delay, 3))
         if first_death is None and any(c not in (None, 0) for c in codes):
             first_death = now
-        if (first_death is not None and now - first_death > grace) or now - start > timeout:
+        if (first_death is not None and now - first_death > grace and term_at is None) or now - start > timeout:
             for p in procs:  # torchrun stops the whole group once a worker failed
                 if p.poll() is None:
                     p.send_signal(signal.SIGKILL)
         time.sleep(0.05)
-    return {"codes": [p.wait() for p in procs], "killed": killed, "log": logs[0].read_text()[-6000:]}
+    codes = [p.wait() for p in procs]
+    return {"codes": codes, "killed": killed, "log": logs[0].read_text()[-6000:],
+            "sigterm_to_exit": time.monotonic() - term_at if term_at is not None else None}
 
 
 def results(out_dir, name, world_size=2):

@@ -10,7 +10,15 @@ case of the JSON case list runs in order (one ``Trainer.fit`` each). Case option
   of its bytes, default 0.5, is on disk; ``keep=0``: before the file is touched, so an older file stays);
   ``"commit"``: after the shards and ``privacy_ledger.json``, just before ``privacy_commit.json``;
 * ``resume_from``: ``ckpt_path`` of the fit; an exception is recorded (type, message) instead of failing;
-* ``ckpt_dir``: ModelCheckpoint(every step, ``step=K.ckpt``, plus ``last.ckpt`` overwritten in place).
+* ``ckpt_dir``: ModelCheckpoint(every step, ``step=K.ckpt``, plus ``last.ckpt`` overwritten in place);
+* ``accumulate``, ``limit_train_batches``, ``max_epochs``: the Trainer's (``steps=-1`` with ``max_epochs``);
+* ``on_exception_dir``: ``OnExceptionCheckpoint`` into that directory (``on_exception.ckpt``);
+* ``save_path``: ``trainer.save_checkpoint`` there after the fit;
+* ``slow_step``: seconds every training_step sleeps (on rank ``slow_rank`` only, if given: the other ranks then
+  wait for it inside the next collective, where a signal handler running a collective would deadlock them).
+
+A SIGTERM ends the fit with Lightning's ``SIGTERMException`` (a ``SystemExit``): recorded like an exception.
+Every rank's record also holds DeepSpeed's ``global_steps`` and the seconds from the fit's start to its end.
 
 Rank 0 writes the parameters after every optimizer step to ``<out>/<name>.traj/<step>.pt`` (before that step's
 checkpoint is written), and every rank ``<out>/<name>.rank<r>.json`` at the end of a case.
@@ -21,12 +29,13 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -61,6 +70,8 @@ class Module(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.case.get("slow_step") and self.global_rank == self.case.get("slow_rank", self.global_rank):
+            time.sleep(self.case["slow_step"])  # one slow rank: the others wait for it inside a collective
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
@@ -145,18 +156,28 @@ def run_case(case, out_dir, devices):
     if case.get("ckpt_dir"):
         callbacks.append(ModelCheckpoint(dirpath=case["ckpt_dir"], filename="{step}", every_n_train_steps=1,
                                          save_top_k=-1, save_last=True))
+    if case.get("on_exception_dir"):
+        callbacks.append(OnExceptionCheckpoint(case["on_exception_dir"]))
     strategy = DPDeepSpeedStrategy(stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=case["C"],
                                    seed=case.get("seed", 1234))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=case["steps"],
+                        max_epochs=case.get("max_epochs"), accumulate_grad_batches=case.get("accumulate", 1),
+                        limit_train_batches=case.get("limit_train_batches"),
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     result = {"ok": True}
+    start = time.monotonic()
     try:
         trainer.fit(module, ckpt_path=case.get("resume_from"))
-    except Exception as exc:  # recorded for the test: a refusal must be the same clear error on every rank
+        if case.get("save_path"):
+            trainer.save_checkpoint(case["save_path"])
+    except (Exception, SystemExit) as exc:  # recorded for the test: a refusal must be the same error on every rank
         result = {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
                   "traceback": traceback.format_exc()[-3000:]}
     ledger = strategy.ledger
+    engine = getattr(strategy, "deepspeed_engine", None)
+    result.update(seconds=time.monotonic() - start,
+                  deepspeed_global_steps=int(engine.global_steps) if engine is not None else None)
     result.update(global_step=trainer.global_step, ledger=ledger.to_dict() if ledger is not None else None,
                   epsilon=float(accountant.epsilon()) if ledger is not None else None,
                   plan=dict(vars(strategy.plan)) if strategy.plan is not None else None)

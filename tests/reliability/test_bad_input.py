@@ -31,7 +31,8 @@ class Net(L.LightningModule):
         self.after_step = {}
 
     def training_step(self, batch, _):
-        self.steps_run += 1
+        if torch.is_grad_enabled():  # not the strategy's layout check, which re-runs it without gradients
+            self.steps_run += 1
         x, y = batch
         loss = nn.functional.cross_entropy(self.body(x).flatten(1), y)
         if self.bad_loss_at is not None and self.global_step == self.bad_loss_at:
@@ -148,14 +149,16 @@ def test_deepspeed_gradient_clipping_is_refused():
 
 
 class _Scale(nn.Module):
-    """A layer no per-example rule knows: a raw parameter used in forward."""
+    """A layer no per-example rule covers: a raw parameter used in forward next to a trainable child (a layer
+    with a raw parameter and no trainable children gets the generic rule)."""
 
     def __init__(self):
         super().__init__()
         self.gain = nn.Parameter(torch.ones(8))
+        self.inner = nn.Linear(8, 8)
 
     def forward(self, x):
-        return x * self.gain
+        return self.inner(x) * self.gain
 
 
 @pytest.mark.parametrize("layer, match", [
@@ -186,6 +189,30 @@ def test_non_finite_loss_stops_with_the_step_charged(bad, accumulate):
     now = _params(model)
     assert all(torch.equal(now[k], model.after_step[1][k]) for k in now), "the bad step was applied"
     assert all(torch.isfinite(p).all() for p in now.values())
+
+
+def test_a_cut_epoch_is_refused_in_one_process_too():
+    _refused(Net(), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0), ValueError,
+             r"limit_train_batches=3\) runs 3 micro-batches.*Use limit_train_batches=2 or 4, a multiple of "
+             r"accumulate_grad_batches=2", max_steps=-1, max_epochs=2, limit_train_batches=3,
+             accumulate_grad_batches=2)
+
+
+def test_counters_that_drift_apart_stop_training_before_the_update(monkeypatch):
+    """The safety net under the window refusals: with them and the explicit DeepSpeed boundary taken away (the
+    behaviour before they existed), DeepSpeed's own micro-step counter drifts from Lightning's per-epoch one at
+    the first epoch boundary, and the step-counter check stops training before that update is applied."""
+    import lightning_dpzero._lightning_loop as loop
+
+    monkeypatch.setattr(lightning_dpzero._refusals, "check_whole_windows", lambda *a: None)
+    monkeypatch.setattr(loop, "closes_window", lambda trainer: None)  # None: DeepSpeed's own counter decides
+    model, strategy = Net(), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0)
+    with pytest.raises(RuntimeError, match=r"counters disagree before an update \(ledger steps 2 \(\+2 this fit\), "
+                                           r"Lightning global_step 1 \(\+1 this fit\), DeepSpeed global_steps 2"):
+        _trainer(strategy, max_steps=-1, max_epochs=3, limit_train_batches=3, accumulate_grad_batches=2).fit(model)
+    now = _params(model)
+    assert max(model.after_step) == 1 and all(torch.equal(now[k], model.after_step[1][k]) for k in now), \
+        "the drifted update was applied"
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

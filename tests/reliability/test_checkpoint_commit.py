@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from lightning_dpzero import DPDeepSpeedStrategy, PrivacyLedger
 from lightning_dpzero.checkpoints import (COMMIT_FILE, INCOMPLETE_FILE, LEDGER_FILE, CheckpointIntegrityError,
@@ -16,10 +17,12 @@ from lightning_dpzero.checkpoints.commit import (checkpoint_files as _checkpoint
 def _fake_checkpoint(root, steps=3):
     """A directory laid out like a saved checkpoint, committed the way save_checkpoint commits it."""
     (root / "checkpoint").mkdir(parents=True)
-    (root / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"model states")
-    (root / "latest").write_text("checkpoint")
     ledger = PrivacyLedger(delta=1e-5, dataset_size=100)
     ledger.charge(0.1, 1.0, steps=steps)
+    # the client state as DeepSpeed writes it: the module, the step counts, the ledger
+    torch.save({"module": {"w": torch.zeros(2)}, "global_step": steps, "global_steps": steps,
+                "privacy_ledger": ledger.to_dict()}, root / "checkpoint" / "mp_rank_00_model_states.pt")
+    (root / "latest").write_text("checkpoint")
     ledger.save(root / LEDGER_FILE)
     files = {n: _file_digest(root / n) for n in _checkpoint_files(root)}
     _write_commit(root, {"format": "lightning_dpzero.privacy_commit", "format_version": 1, "global_step": steps,

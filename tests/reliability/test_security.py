@@ -45,9 +45,11 @@ class Net(L.LightningModule):
         self.optimizer = optimizer
         self.seen = []
 
+    def on_train_batch_start(self, batch, _):
+        self.seen.append(batch[2].tolist())  # not in training_step, which the layout check runs again
+
     def training_step(self, batch, _):
         x, y, idx = batch
-        self.seen.append(idx.tolist())
         loss = nn.functional.cross_entropy(self.body(x), y)
         self.log("train_loss", loss, batch_size=max(len(x), 1))
         return loss
@@ -223,6 +225,66 @@ def test_resume_never_reuses_a_noise_draw(tmp_path, monkeypatch):
     before, after = draws[:n_first], draws[n_first:]
     repeats = [(i, j) for i, a in enumerate(after) for j, b in enumerate(before) if torch.equal(a, b)]
     assert not repeats, f"resumed draws {[i for i, _ in repeats]} repeat earlier draws {[j for _, j in repeats]}"
+
+
+class NoiseOnly(Net):
+    """A zero loss: every update is lr × the released noise, so two updates' correlation is their noise's."""
+
+    def training_step(self, batch, _):
+        x, y, idx = batch
+        self.seen.append(idx.tolist())
+        return (self.body(x) * 0.0).sum() / max(len(x), 1)
+
+
+@pytest.mark.parametrize("bound", ["max_epochs", "max_steps"])
+def test_a_second_fit_of_the_same_trainer_draws_fresh_noise_and_batches(monkeypatch, bound):
+    """Fit, raise the bound, fit again: the ledger continues (3 -> 6 steps) and the second fit's streams follow the
+    ledger's position, so it replays neither the first fit's noise (the difference of two released updates would
+    cancel it) nor its Poisson batches."""
+    draws = []
+    original = noise_module.NoiseSource.normal
+
+    def recording(self, shape, device):
+        z = original(self, shape, device)
+        draws.append(z.detach().flatten().clone())
+        return z
+
+    monkeypatch.setattr(noise_module.NoiseSource, "normal", recording)
+    L.seed_everything(0, verbose=False)
+    model = NoiseOnly()
+    limits = dict(max_epochs=1, limit_train_batches=3) if bound == "max_epochs" else dict(max_steps=3)
+    strategy = DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0, seed=5)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[PrivacyAccountantCallback()],
+                        **limits)
+    p0 = _params(model)
+    trainer.fit(model)
+    p1, n_first, seen_first = _params(model), len(draws), list(model.seen)
+    if bound == "max_epochs":
+        trainer.fit_loop.max_epochs = 2
+    else:
+        trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(model)
+    p2 = _params(model)
+    assert strategy.ledger.steps == trainer.global_step == 6 and n_first == len(draws) - n_first > 0
+    before, after = draws[:n_first], draws[n_first:]
+    assert not [(i, j) for i, a in enumerate(after) for j, b in enumerate(before) if torch.equal(a, b)]
+    first, second = p1 - p0, p2 - p1
+    corr = float(torch.corrcoef(torch.stack([first, second]))[0, 1])
+    assert abs(corr) < 0.5, f"the two fits' noise-only updates correlate: {corr:.3f}"  # 99 coordinates: sd ~0.1
+    assert model.seen[len(seen_first):] != seen_first
+
+
+def test_an_explicit_seed_warns_that_it_reproduces_the_noise():
+    with pytest.warns(UserWarning, match="explicit seed reproduces the noise.*secure_mode=True"):
+        _fit(DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0, seed=5), steps=1)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0), steps=1)
+        _fit(DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0, seed=5, secure_mode=True), steps=1)
+    assert not [w for w in caught if "explicit seed" in str(w.message)]
 
 
 # ----------------------------------------------------------------------------------------------- loaders

@@ -1,0 +1,285 @@
+"""The layout check: before the first update, prove that every site's input is batch first and per example
+(docs/design.md, *The per-example engine*).
+
+The engine reads each layer's batch from the first dimension of its input. Two layouts pass every shape
+check and still give wrong per-example gradients: a time-first activation ``(T, B, d)`` when T == B (the
+engine would clip per time step), and an input shared by every example (T5's relative attention bias: an
+embedding of ``(L, L)`` position buckets broadcast over the batch) when L == B. Batch statistics or attention
+across examples mix examples the same way. None of these can be seen from shapes; all are seen by how a
+site's input moves when the batch is re-indexed.
+
+:func:`run_layout_check` runs the user's forward twice without gradients, in eval mode (so that dropout
+draws nothing) and from the same random state: on the micro-batch, and on a copy re-indexed by ``s``, a
+fixed permutation of the B examples in which one example is repeated (``s[1] = s[0]``). For a per-example,
+batch-first site the second input is exactly the first one's rows ``s``: ``x' = x[s]``. A time-first input
+becomes ``x[:, s]``, a shared one stays ``x``, and one that mixes examples (a statistic over the batch, which
+the repeated example changes) is neither. Each tensor argument of each call is compared in that way (an
+argument whose first dimension is not B must not change at all). To keep memory at ``O(B)`` numbers per
+argument, not a copy of every activation, each row is summarised by its norm and two random projections in
+float64 (projections commute with row indexing), compared with a relative tolerance of 1e-3 (3e-2 for
+16-bit inputs): far above the rounding between two batched forwards, far below any layout error.
+
+A failure is refused before any update, one line per module class and cause, with the fix: batch-first
+activations, freezing a shared parameter (named), or making each example's computation its own. What the
+check cannot see: examples mixed after the last site (in the loss: :func:`check_per_example`), and mixing
+that only a training-mode forward does (BatchNorm is refused when the engine attaches).
+
+Cost: two forwards without gradients at the first micro-batch of a fit (repeated at later micro-batches only
+while some rank has not yet had two or more examples), and one all-reduce of two numbers per check.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .base import UnsupportedLayerError
+from .parameters import ParameterHook
+
+#: random projections per row of each recorded tensor
+PROJECTIONS = 2
+#: relative tolerance on a row's projections and norm (inputs in float32/float64; 16-bit inputs: HALF_TOL)
+TOL, HALF_TOL = 1e-3, 3e-2
+#: module names shown per refusal line before "and N more"
+SHOWN = 3
+
+
+def index_map(b: int) -> torch.Tensor:
+    """The re-indexing ``s`` of a micro-batch of ``b`` examples: a fixed permutation with ``s[1] = s[0]``."""
+    s = torch.randperm(b, generator=torch.Generator().manual_seed(0))
+    if b >= 2:
+        s[1] = s[0]
+    return s
+
+
+def reindex_batch(batch: Any, index: Optional[torch.Tensor]) -> Any:
+    """``batch`` with every tensor whose first dimension is ``len(index)`` indexed by ``index`` (rows
+    ``index[i]`` become row i); mappings, sequences and dataclasses are walked (Lightning's
+    ``apply_to_collection``); ``index=None`` returns ``batch`` itself."""
+    if index is None:
+        return batch
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    b = len(index)
+    return apply_to_collection(batch, torch.Tensor,
+                               lambda t: t[index.to(t.device)] if t.dim() >= 1 and t.shape[0] == b else t)
+
+
+class _Rows:
+    """A tensor summarised per row (along dimension ``dim``): exact values for integers, else norms and random
+    projections in float64."""
+
+    __slots__ = ("shape", "exact", "norms", "proj", "tol")
+
+    def __init__(self, t: torch.Tensor, dim: int, vectors: "_Vectors"):
+        self.shape = tuple(t.shape)
+        t = t.detach().movedim(dim, 0)
+        self.exact = None if t.is_floating_point() else t.clone()
+        self.tol = TOL if t.dtype in (torch.float32, torch.float64) else HALF_TOL
+        if self.exact is None:
+            rows = t.reshape(t.shape[0], math.prod(t.shape[1:]))  # explicit: B may be 0
+            v = vectors.get(rows.shape[1], rows.device)
+            step = max(1, 2 ** 22 // max(rows.shape[1], 1))
+            parts = [rows[i:i + step].double() for i in range(0, rows.shape[0], step)]
+            self.norms = torch.cat([p.norm(dim=1) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+            self.proj = torch.cat([p @ v for p in parts]) if parts else torch.zeros(0, PROJECTIONS, dtype=torch.float64)
+
+    def matches(self, other: "_Rows", index: Optional[torch.Tensor] = None) -> bool:
+        """Whether ``other`` holds this tensor's rows ``index`` (``None``: the same rows)."""
+        if other is None or other.shape != self.shape:
+            return False
+        if self.exact is not None:
+            mine = self.exact if index is None else self.exact[index.to(self.exact.device)]
+            return other.exact is not None and torch.equal(mine, other.exact)
+        if other.exact is not None:
+            return False
+        norms, proj = (self.norms, self.proj) if index is None else (self.norms[index], self.proj[index])
+        if not norms.numel():
+            return True
+        # a row's deviation δ moves each projection by about ‖δ‖ (vectors of N(0, 1) entries): 3 σ of margin
+        tol = max(self.tol, other.tol) * (norms + 1e-6 * float(norms.max()) + 1e-30)
+        return bool(((other.proj - proj).abs() <= 3 * tol.unsqueeze(1)).all()
+                    and ((other.norms - norms).abs() <= tol).all())
+
+
+class _Vectors:
+    """One fixed set of random projection vectors per row length and device (the same in both forwards)."""
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    def get(self, m: int, device) -> torch.Tensor:
+        key = (m, str(device))
+        if key not in self.cache:
+            gen = torch.Generator().manual_seed(m)
+            self.cache[key] = torch.randn(m, PROJECTIONS, generator=gen, dtype=torch.float64).to(device)
+        return self.cache[key]
+
+
+class _Recorder:
+    """What each call of an attached layer received, in call order (``PerSampleEngine._record_call``)."""
+
+    def __init__(self, b: int, vectors: _Vectors):
+        self.b, self.vectors, self.calls = b, vectors, []
+
+    def record(self, hook, args: tuple, kwargs: dict) -> None:
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+        rows = []
+        for t in leaves:
+            by_batch = _Rows(t, 0, self.vectors)
+            time_first = _Rows(t, 1, self.vectors) if t.dim() >= 2 and t.shape[1] == self.b else None
+            rows.append((by_batch, time_first))
+        self.calls.append((hook, rows))
+
+
+def _record(engine, run_forward, index, b: int, vectors: _Vectors) -> _Recorder:
+    rec = _Recorder(b, vectors)
+    engine._layout = rec
+    try:
+        with torch.random.fork_rng(devices=_devices()), torch.no_grad():
+            run_forward(index)
+    finally:
+        engine._layout = None
+    return rec
+
+
+def _devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+def _classify(hook, k: int, ref: tuple, new: tuple, s: torch.Tensor, b: int) -> Optional[str]:
+    """``None`` if tensor argument ``k`` of a call moved as a batch-first, per-example input does; else the
+    cause. The first tensor of a layer's call (not of a module with per-example views, whose own check covers
+    it) must have the batch first; another argument may instead be the same for every example (a mask)."""
+    (r0, r1), (n0, n1) = ref, new
+    broadcast = r0.shape[0] == 1 and b != 1 and hook.rule.broadcast_batch  # (1, T) positions: one copy each
+    must_batch = k == 0 and not isinstance(hook, ParameterHook) and not broadcast
+    if r0.shape[0] == b and not broadcast:
+        if b < 2 or r0.matches(n0, s):
+            return None
+    elif not must_batch and r0.matches(n0):
+        return None
+    if r0.matches(n0):
+        return "shared"
+    if r1 is not None and r1.matches(n1, s):
+        return "time-first"
+    return "mixed" if r0.shape[0] == b else "not batch first"
+
+
+def _failures(ref: _Recorder, new: _Recorder, s: torch.Tensor, b: int) -> list[tuple[Any, str]]:
+    if [h for h, _ in ref.calls] != [h for h, _ in new.calls] or any(
+            len(a) != len(c) for (_, a), (_, c) in zip(ref.calls, new.calls)):
+        first = next(((h, "calls") for (h, a), (g, c) in zip(ref.calls, new.calls) if h is not g or len(a) != len(c)),
+                     (ref.calls[-1][0] if ref.calls else None, "calls"))
+        return [first] if first[0] is not None else []
+    out = []
+    for (hook, rows), (_, new_rows) in zip(ref.calls, new.calls):
+        for k, (r, n) in enumerate(zip(rows, new_rows)):
+            cause = _classify(hook, k, r, n, s, b)
+            if cause is not None:
+                out.append((hook, cause))
+                break
+    return out
+
+
+_WHY = {
+    "time-first": ("its input has the batch in its second dimension (time-first (T, B, ...), which passes the "
+                   "engine's check when T equals B), so the engine would clip per position instead of per example. "
+                   "Fix: keep the activations batch first, (B, T, ...), through every layer with parameters "
+                   "(transpose back before such a layer, batch_first=True)"),
+    "shared": ("its input is the same whatever the examples of the batch (shared by every example and broadcast "
+               "over the batch, e.g. T5's relative position buckets (L, L)), so its output has no per-example part "
+               "and its parameters cannot be clipped per example"),
+    "mixed": ("row i of its input depends on other examples than i (statistics over the batch such as "
+              "h - h.mean(0), attention across the examples, or randomness in training_step), so per-example "
+              "gradients do not exist. Fix: make each example's computation depend on that example only"),
+    "not batch first": ("its input's first dimension is not the micro-batch, and the input changes with the "
+                        "examples. Fix: keep every layer's input batch first, (B, ...)"),
+    "calls": ("the forward calls its layers in another order, or with other arguments, when the examples are "
+              "re-ordered (control flow that depends on the batch), so per-example gradients cannot be checked. "
+              "Fix: make the forward's control flow the same for every order of the examples"),
+}
+
+
+def _message(engine, failures: list[tuple[Any, str]], b: int) -> str:
+    groups: dict[tuple[str, str], list] = {}
+    for hook, cause in failures:
+        groups.setdefault((type(hook.module).__name__, cause), [])
+        if hook not in groups[(type(hook.module).__name__, cause)]:
+            groups[(type(hook.module).__name__, cause)].append(hook)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    lines = []
+    for (cls, cause), hooks in groups.items():
+        shown = ", ".join(f"'{h.name}'" for h in hooks[:SHOWN])
+        more = f" and {len(hooks) - SHOWN} more" if len(hooks) > SHOWN else ""
+        why = _WHY[cause]
+        if cause == "shared":
+            params = [names[id(p)] for h in hooks for p in h.rule.params(h.module)
+                      if p is not None and p.requires_grad and id(p) in names]
+            fix = (f"module.get_parameter({params[0]!r}).requires_grad_(False)" if len(params) == 1 else
+                   f"for name in {params}: module.get_parameter(name).requires_grad_(False)")
+            why += (f". Fix: freeze {'it' if len(params) == 1 else 'them'} before training: {fix} (module: the "
+                    "model given to the engine; with Lightning, the LightningModule)")
+        lines.append(f"{cls} {shown}{more}: {why}")
+    return ("The per-example layout check failed (with the micro-batch of "
+            f"{b} examples re-indexed, a layer's input did not follow its examples); training would release "
+            "non-private updates, so it stops before the first one:\n  - " + "\n  - ".join(lines)
+            + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=False)).")
+
+
+def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
+                     collectives=None) -> bool:
+    """Run the check once (two forwards of ``run_forward``, see the module docstring) and agree over the ranks.
+
+    Args:
+        engine: the attached :class:`~lightning_dpzero.per_sample.PerSampleEngine`.
+        run_forward: ``run_forward(index)`` runs the forward (e.g. the user's ``training_step``) on the
+            micro-batch, re-indexed by ``index`` (``None``: as it is; see :func:`reindex_batch`).
+        batch_size: B, the micro-batch's number of examples (0 and 1 are checked only for batch dimensions).
+        collectives: the ranks (``world_size`` and ``reduce(tensor, reduce_op="sum")``, as any Lightning
+            strategy); ``None`` for one process.
+
+    Returns:
+        Whether every rank has now passed the check with two or more examples (else call it again at the
+        next micro-batch).
+
+    Raises:
+        UnsupportedLayerError: the check failed on this rank, or on another (the same number of forwards ran on
+            every rank, so ZeRO-3's collective gathers stay matched).
+    """
+    b = int(batch_size) if batch_size is not None else 0
+    s = index_map(b)
+    module = engine.module
+    modes = [(m, m.training) for m in module.modules()]
+    vectors = _Vectors()
+    try:
+        module.eval()
+        ref = _record(engine, run_forward, None, b, vectors)
+        new = _record(engine, run_forward, s, b, vectors)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    failures = _failures(ref, new, s, b) if b >= 1 else []
+    bad, pending = float(bool(failures)), float(b < 2)
+    world = getattr(collectives, "world_size", 1) if collectives is not None else 1
+    if world > 1:
+        flags = collectives.reduce(torch.tensor([bad, pending], dtype=torch.float32,
+                                                device=_reduce_device(engine)), reduce_op="sum")
+        bad_all, pending = float(flags[0]), float(flags[1])
+    else:
+        bad_all = bad
+    if failures:
+        raise UnsupportedLayerError(_message(engine, failures, b))
+    if bad_all:
+        raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s) (their "
+                                    "error names the layers); training stops before the first update.")
+    return pending == 0
+
+
+def _reduce_device(engine) -> torch.device:
+    p = next(engine.module.parameters(), None)
+    return p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
+

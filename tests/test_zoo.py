@@ -1,0 +1,139 @@
+"""The model zoo: tiny HuggingFace models with random weights (tests/zoo.py) train unchanged and match their
+oracle (docs/design.md, I2 and I5).
+
+One process: the engine's Σ_i clip(g_i) for one micro-batch against a per-example backward loop in float64,
+all-layer and layer-wise, full fine-tuning and LoRA (peft) on the decoders, after the layout check passed;
+T5's shared relative attention bias is refused before the first update unless frozen. Two processes (slow):
+one launch trains every model (and a user's own layer through the generic rule) for a few steps on ZeRO-3 and
+matches the single-process replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
+from lightning_dpzero.per_sample import registry
+from oracle import clipped_sum, per_example_grads_loop
+
+pytest.importorskip("transformers")
+import zoo  # noqa: E402
+
+B, C = 4, 0.5
+FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit"]
+DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
+
+
+def _loss(model, x, y):
+    return lambda index: F.cross_entropy(model(x if index is None else x[index]), y if index is None else y[index])
+
+
+def _engine_vs_oracle(model, x, y, clipping, C=C):
+    """The layout check passes, then the engine's clipped sum equals the float64 per-example loop's (≤ 1e-5)."""
+    ref = clipped_sum(model, per_example_grads_loop(model, F.cross_entropy, x, y), C, clipping)
+    model.zero_grad(set_to_none=True)
+    engine = PerSampleEngine(model, max_grad_norm=C, clipping=clipping).attach()
+    try:
+        assert engine.check_layout(_loss(model, x, y), x.shape[0])
+        with engine.micro_batch(batch_size=x.shape[0]):
+            F.cross_entropy(model(x), y).backward()
+        rules = {type(h.rule).__name__ for h in engine.hooks}
+    finally:
+        engine.detach()
+    assert engine.stats["clipped"] > 0  # C is small enough that clipping acts
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, n
+            torch.testing.assert_close(p.grad.double(), ref[n], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    return rules
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "layer-wise"])
+@pytest.mark.parametrize("kind", FULL)
+def test_full_fine_tuning_matches_the_oracle(kind, clipping):
+    torch.manual_seed(0)
+    model = zoo.build(kind).train()
+    x, y = zoo.make_data(kind, B)
+    rules = _engine_vs_oracle(model, x, y, clipping)
+    if kind in ("llama", "qwen2", "mistral", "t5"):
+        assert "HFRMSNormRule" in rules
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_hf_norms_through_the_generic_rule_match_the_oracle(kind, monkeypatch):
+    """Without the dedicated rule (e.g. a norm class it does not list) the generic rule covers the norms, exactly."""
+    monkeypatch.setattr(registry, "NAMED_RULES", {k: r for k, r in registry.NAMED_RULES.items()
+                                                  if type(r).__name__ != "HFRMSNormRule"})
+    torch.manual_seed(1)
+    model = zoo.build(kind).train()
+    x, y = zoo.make_data(kind, B)
+    assert "InstantiatedGradsRule" in _engine_vs_oracle(model, x, y, "layer-wise")
+
+
+@pytest.mark.parametrize("kind", DECODERS)
+def test_lora_matches_the_oracle(kind):
+    pytest.importorskip("peft")
+    torch.manual_seed(2)
+    model = zoo.with_lora(zoo.build(kind), kind).train()
+    x, y = zoo.make_data(kind, B)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    _engine_vs_oracle(model, x, y, "all-layer", C=0.005)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 5])  # 5 and 3: the encoder's and the decoder's length equal B
+def test_t5_shared_relative_bias_is_refused_before_the_first_update_with_the_fix(batch):
+    torch.manual_seed(3)
+    model = zoo.build("t5_unfrozen").train()
+    x, y = zoo.make_data("t5_unfrozen", batch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = PerSampleEngine(model, max_grad_norm=C).attach()
+    with pytest.raises(UnsupportedLayerError) as err:
+        engine.check_layout(_loss(model, x, y), batch)
+    engine.detach()
+    msg = str(err.value)
+    for part in ("encoder", "decoder"):
+        name = f"model.{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        assert f"'{name}'" in msg  # the exact parameters, in the one-line fix
+    assert "shared by every example" in msg and "requires_grad_(False)" in msg
+    assert len(msg.splitlines()) == 3 and len(msg) < 1500  # one line for both (one class, one cause)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_t5_as_the_refusal_says_trains_unchanged_otherwise():
+    """Freezing exactly what the refusal names is enough: every other T5 parameter trains and matches."""
+    torch.manual_seed(3)
+    model = zoo.build("t5_unfrozen").train()
+    x, y = zoo.make_data("t5_unfrozen", B)
+    frozen = zoo.freeze_shared_bias(model)
+    assert len(frozen) == 2
+    _engine_vs_oracle(model, x, y, "layer-wise")
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-3, 2 processes
+@pytest.mark.slow
+def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """One launch, every model: full fine-tuning on ZeRO-3 with 2 processes (σ = 0) for 2 steps equals the
+    single-process replay from per-example gradients of the union batch (harness.expected_params). Shuffled
+    fixed-size batches: HuggingFace's attention cannot run a micro-batch of zero examples (it reshapes with -1),
+    which a Poisson-sampled rank may get."""
+    from harness import expected_params, run_cases
+
+    cases = [dict(name=f"zoo_{k}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip, clipping_fn="abadi",
+                  poisson=False, accumulate=1, steps=2, n=24, batch_size=3, lr=0.5, oracle="loop")
+             for k, clip in zip(FULL, ["all-layer", "layer-wise"] * 4)]
+    # a user's own layer through the generic rule (torch.func oracle), in the same launch
+    cases += [dict(cases[0], name=f"generic_{clip}", model="generic", clipping=clip, oracle="func")
+              for clip in ("all-layer", "layer-wise")]
+    results = run_cases(cases, tmp_path, world_size=2, timeout=900)
+    for case in cases:
+        res = results[case["name"]]
+        assert res["global_step"] == 2 and len(res["ledger"]["entries"]) >= 1, case["name"]
+        want = expected_params(case, res)
+        moved = max(float((res["final"][k] - res["init"][k]).abs().max()) for k in want)
+        assert moved > 1e-4, case["name"]
+        for k, v in want.items():
+            torch.testing.assert_close(res["final"][k], v.float(), rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{case['name']} {k}: {m}")

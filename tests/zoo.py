@@ -1,0 +1,162 @@
+"""Tiny HuggingFace models with random weights (configs only, no hub), as users fine-tune them, and their data.
+
+Each entry builds an ``nn.Module`` whose forward takes one batch-first tensor and returns logits laid out for
+``F.cross_entropy(out, y)``: ``(B, classes)`` for classifiers, ``(B, V, T)`` for language models (so that the
+mean over all tokens is the mean over examples of each example's token mean: every example has T tokens).
+``build(kind)`` is what the one-process oracle tests and the multi-process worker (``models.build_model``)
+use. More families (RNNs, EmbeddingBag) are added by adding an entry to ``ZOO``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+V, T, D = 32, 8, 16  # vocabulary, tokens per example, hidden size
+ENC = 5  # T5: the first ENC tokens are the encoder's input, the rest the decoder's
+
+
+def _decoder(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=24, max_position_embeddings=32, attention_dropout=0.0,
+                  attn_implementation="eager")
+    config = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[family](**common)
+    model = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+             "mistral": tf.MistralForCausalLM}[family](config)
+    with torch.no_grad():  # HF initialises the norms to ones: make their gradients non-trivial
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _gpt2():
+    import transformers as tf
+
+    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=D, n_layer=2, n_head=2, n_positions=32,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                            bos_token_id=0, eos_token_id=0, attn_implementation="eager"))
+
+
+def _t5():
+    import transformers as tf
+
+    return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=D, d_kv=8, d_ff=24, num_layers=2,
+                                                     num_heads=2, relative_attention_num_buckets=8,
+                                                     dropout_rate=0.0, decoder_start_token_id=0,
+                                                     attn_implementation="eager"))
+
+
+def _bert():
+    import transformers as tf
+
+    return tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation="eager"))
+
+
+def _vit():
+    import transformers as tf
+
+    model = tf.ViTForImageClassification(tf.ViTConfig(
+        image_size=8, patch_size=4, num_channels=1, hidden_size=D, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation="eager"))
+    with torch.no_grad():  # HF initialises both near zero; make their gradients non-trivial
+        model.vit.embeddings.cls_token.normal_()
+        model.vit.embeddings.position_embeddings.normal_()
+    return model
+
+
+class LM(nn.Module):
+    """A causal LM: token ids (B, T) → logits (B, V, T)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits.transpose(1, 2)
+
+
+class Seq2Seq(nn.Module):
+    """T5: ids (B, T) → the encoder reads ``ids[:, :ENC]``, the decoder ``ids[:, ENC:]``; logits (B, V, T-ENC)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids[:, :ENC], decoder_input_ids=ids[:, ENC:]).logits.transpose(1, 2)
+
+
+class Classifier(nn.Module):
+    """BERT on token ids, ViT on pixels: (B, ...) → logits (B, classes)."""
+
+    def __init__(self, model, key):
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x):
+        return self.model(**{self.key: x}).logits
+
+
+def freeze_shared_bias(model: nn.Module) -> list[str]:
+    """T5's relative attention bias is an embedding of (L, L) position buckets shared by every example: it has
+    no per-example gradient, and the engine refuses it; freeze it as the refusal says. Returns the names."""
+    names = [n for n, _ in model.named_parameters() if "relative_attention_bias" in n]
+    for n in names:
+        model.get_parameter(n).requires_grad_(False)
+    return names
+
+
+#: kind -> (builder, input kind); inputs: "lm" (B, T) ids with (B, T) targets, "cls" ids with (B,) classes,
+#: "seq2seq" (B, T) ids with (B, T - ENC) targets, "image" (B, 1, 8, 8) pixels with (B,) classes
+ZOO = {
+    "gpt2": (lambda: LM(_gpt2()), "lm"),
+    "llama": (lambda: LM(_decoder("llama")), "lm"),
+    "qwen2": (lambda: LM(_decoder("qwen2")), "lm"),
+    "mistral": (lambda: LM(_decoder("mistral")), "lm"),
+    "t5": (lambda: _frozen(Seq2Seq(_t5())), "seq2seq"),
+    "t5_unfrozen": (lambda: Seq2Seq(_t5()), "seq2seq"),
+    "bert": (lambda: Classifier(_bert(), "input_ids"), "cls"),
+    "vit": (lambda: Classifier(_vit(), "pixel_values"), "image"),
+}
+
+
+def _frozen(model):
+    freeze_shared_bias(model)
+    return model
+
+
+def build(kind: str) -> nn.Module:
+    return ZOO[kind][0]()
+
+
+def make_data(kind: str, n: int, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    inputs = ZOO[kind][1]
+    if inputs == "image":
+        return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+    x = torch.randint(1, V, (n, T), generator=g)
+    if inputs == "cls":
+        return x, torch.randint(0, 3, (n,), generator=g)
+    return x, torch.randint(0, V, (n, T - ENC if inputs == "seq2seq" else T), generator=g)
+
+
+def with_lora(model: nn.Module, kind: str) -> nn.Module:
+    """LoRA adapters (peft) on the attention projections of a decoder; every other parameter frozen."""
+    import peft
+
+    targets = ["c_attn"] if kind == "gpt2" else ["q_proj", "v_proj"]
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,
+                             fan_in_fan_out=kind == "gpt2")
+    model.model = peft.get_peft_model(model.model, config)
+    with torch.no_grad():  # peft starts B at zero: make the adapters' gradients and updates non-trivial
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
