@@ -173,6 +173,7 @@ class PerSampleEngine:
         for handle in self._guards:
             handle.remove()
         self.hooks, self._guards, self.active = [], [], False
+        self.window.clear()  # a window cut by an exception: nothing held reaches a later fit
 
     def clipping_now(self) -> bool:
         """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
