@@ -68,6 +68,15 @@ def warn_layout_check_off(layout_check: bool) -> bool:
     return bool(layout_check)
 
 
+def micro_batches_per_epoch(dataloader, loader, trainer) -> int:
+    """Micro-batches an epoch of the private ``loader`` runs (built from the user's ``dataloader``), after the
+    warnings and refusals about them: Lightning's batch-size-one injection, an epoch of cut windows."""
+    warn_injected_batch_size_one(dataloader)
+    per_epoch = limited_micro_batches(len(loader), trainer.limit_train_batches)
+    check_whole_windows(per_epoch, trainer.accumulate_grad_batches, trainer.limit_train_batches)
+    return per_epoch
+
+
 def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
     """Micro-batches an epoch runs under ``Trainer(limit_train_batches=...)`` (an int: at most that many; a
     fraction below 1: that share)."""

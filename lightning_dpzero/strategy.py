@@ -3,7 +3,7 @@ the DP pieces (docs/design.md, *Where each piece runs*).
 
 * ``setup``: validate settings, trainer and module (I5), attach the per-example engine, then DeepSpeed as usual,
   then the mechanism's noise hook on the base optimizer;
-* ``process_dataloader``: the mechanism's private loader (distributed Poisson sampler) and privacy plan;
+* ``process_dataloader``: the mechanism's private loader (Poisson sampler, also of per-rank shards) and plan;
 * ``training_step`` / ``backward``: the mechanism declares each micro-batch and probes the loss for every factor
   Lightning and DeepSpeed put on it, so the engine recovers each example's own gradient before clipping;
 * ``on_train_batch_start`` / ``optimizer_step``: DeepSpeed's boundary follows the sampler's window, and the ledger
@@ -181,11 +181,9 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not self.mechanism.active:
             return super().process_dataloader(dataloader)
-        k = trainer.accumulate_grad_batches
-        loader = self.mechanism.private_loader(dataloader, k)
-        _refusals.warn_injected_batch_size_one(dataloader)
-        per_epoch = _refusals.limited_micro_batches(len(loader), trainer.limit_train_batches)
-        _refusals.check_whole_windows(per_epoch, k, trainer.limit_train_batches)
+        k, sharded = trainer.accumulate_grad_batches, not trainer._accelerator_connector.use_distributed_sampler
+        loader = self.mechanism.private_loader(dataloader, k, pre_sharded=sharded)  # each rank's own shard?
+        per_epoch = _refusals.micro_batches_per_epoch(dataloader, loader, trainer)
         self.mechanism.fix_plan(loader, accumulate_grad_batches=k, max_steps=trainer.max_steps,
                                 max_epochs=trainer.max_epochs, micro_batches_per_epoch=per_epoch)
         return loader
