@@ -99,7 +99,9 @@ def cmd_show(args) -> int:
     mark[ledger.accountant] = "  <- ledger's accountant"
     print(f"privacy ledger:   {json_path}")
     print(f"run id:           {ledger.run_id}")
-    print(f"dataset size N:   {ledger.dataset_size}")
+    shards = "" if ledger.shard_sizes is None else f" (the sum of {len(ledger.shard_sizes)} ranks' shards: " \
+        f"{', '.join(map(str, ledger.shard_sizes))})"
+    print(f"dataset size N:   {ledger.dataset_size}{shards}")
     print(f"delta:            {ledger.delta!r}")
     print(f"accountant:       {ledger.accountant}")
     print(f"sampler:          {sampler}")

@@ -198,10 +198,15 @@ def _examples_per_step(res):
     return per_step
 
 
-@pytest.mark.slow
-def test_unequal_poisson_shards_train_like_the_oracle_with_n_their_sum(shard_runs):
+def _matches_the_oracle(case, res):
     from harness import expected_params
 
+    for k, v in expected_params(case, res).items():
+        torch.testing.assert_close(res["final"][k], v, rtol=1e-5, atol=1e-6, msg=f"{case['name']} {k}")
+
+
+@pytest.mark.slow
+def test_unequal_poisson_shards_train_like_the_oracle_with_n_their_sum(shard_runs):
     cases, results = shard_runs
     case, res = cases[0], results["poisson_unequal"]
     assert res["plan"]["dataset_size"] == 64 and res["plan"]["sample_rate"] == pytest.approx(0.25)
@@ -214,30 +219,22 @@ def test_unequal_poisson_shards_train_like_the_oracle_with_n_their_sum(shard_run
     # 0.125) would draw about 4 standard deviations away or more
     total = sum(_examples_per_step(res).values())
     assert abs(total - 96) < 4 * math.sqrt(96 * 0.75), total
-    exp = expected_params(case, res)
-    for k, v in exp.items():
-        torch.testing.assert_close(res["final"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    _matches_the_oracle(case, res)
 
 
 @pytest.mark.slow
 def test_unequal_shuffled_shards_use_the_global_n(shard_runs):
-    from harness import expected_params
-
     cases, results = shard_runs
     case, res = cases[1], results["shuffle_unequal"]
     assert res["plan"]["sampler_kind"] == "shuffle" and res["plan"]["dataset_size"] == 64
     assert res["plan"]["sample_rate"] == pytest.approx(0.125)
     assert res["ledger"]["shard_sizes"] == [24, 40]
     assert set(_examples_per_step(res).values()) == {8}  # B·W every step
-    exp = expected_params(case, res)
-    for k, v in exp.items():
-        torch.testing.assert_close(res["final"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    _matches_the_oracle(case, res)
 
 
 @pytest.mark.slow
 def test_the_same_global_dataset_on_every_rank_is_not_counted_twice(shard_runs):
-    from harness import expected_params
-
     cases, results = shard_runs
     case, res = cases[2], results["same_everywhere"]
     assert res["plan"]["dataset_size"] == 64 and res["ledger"]["dataset_size"] == 64  # not 128
@@ -246,6 +243,4 @@ def test_the_same_global_dataset_on_every_rank_is_not_counted_twice(shard_runs):
     # sharded by the DP sampler as in the default path: no example on both ranks
     for rank in range(2):
         assert all(i % 2 == rank for _, idx in res["seen"][rank] for i in idx)
-    exp = expected_params(case, res)
-    for k, v in exp.items():
-        torch.testing.assert_close(res["final"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    _matches_the_oracle(case, res)
