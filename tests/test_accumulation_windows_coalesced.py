@@ -37,6 +37,8 @@ def _cases():
                       limit_train_batches=4))
     # empty Poisson micro-batches inside windows (one expected example per rank and micro-batch)
     cases.append(dict(BASE, name="alempty_s2_a3", stage=2, accumulate=3, batch_size=1, steps=4))
+    # bf16-mixed: the held sums are fp32, written into the bf16 gradients at the boundary
+    cases.append(dict(BASE, name="bf16_al_s3_a2", stage=3, precision="bf16-mixed", C=0.1))
     # the noise: zero gradients, a wide layer (33k coordinates) and a head (all-layer spans both)
     for stage, acc in ((1, 2), (2, 3), (3, 2)):
         cases.append(dict(BASE, name=f"noise_s{stage}_a{acc}", model="wide2", stage=stage, accumulate=acc,
@@ -52,7 +54,7 @@ def runs(tmp_path_factory):
 
 def _oracle_cases(runs):
     cases, results = runs
-    return [(c, results[c["name"]]) for c in cases if not c["name"].startswith("noise")]
+    return [(c, results[c["name"]]) for c in cases if not c["name"].startswith(("noise", "bf16"))]
 
 
 def test_update_equals_the_oracle_on_the_union_of_the_window(runs):
@@ -98,3 +100,14 @@ def test_noise_is_added_once_per_optimizer_step(runs):
         assert delta.std().item() == pytest.approx(case["sigma"] * case["C"] / b_exp, rel=0.03), case["name"]
         for k in res["final"]:
             torch.testing.assert_close(res["final_rank"][1][k], res["final"][k], rtol=0, atol=0)
+
+
+def test_bf16_mixed_matches_the_oracle_to_bf16_rounding(runs):
+    cases, results = runs
+    case = next(c for c in cases if c["name"] == "bf16_al_s3_a2")
+    res = results[case["name"]]
+    exp = expected_params(case, res)
+    unclipped = expected_params(dict(case, C=float("inf")), res)
+    err = max((res["final"][k] - exp[k]).abs().max().item() for k in exp)
+    gap = max((unclipped[k] - exp[k]).abs().max().item() for k in exp)
+    assert err < 1.2e-2 and gap > 4 * err, (err, gap)
