@@ -31,7 +31,7 @@ from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
-from .per_sample.clipping import validate_clipping, validate_group_thresholds
+from .per_sample.clipping import validate_clipping, validate_clipping_groups
 from .per_sample.layout import reindex_batch
 
 
@@ -109,16 +109,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
                                      poisson_sampling=poisson_sampling)
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
-        if clipping == "group-wise" and clipping_groups is None:
-            raise ValueError("clipping='group-wise' needs clipping_groups: lists of parameter-name patterns, e.g. "
-                             "[['encoder.*'], ['head.*']], or 'param_groups' (the optimizer's parameter groups).")
-        if clipping_groups is not None and clipping != "group-wise":
-            raise ValueError(f"clipping_groups is only used with clipping='group-wise', not {clipping!r}.")
-        if isinstance(clipping_groups, str):
-            check_option("clipping_groups", clipping_groups, Literal["param_groups"],
-                         "Or give lists of parameter-name patterns, e.g. [['encoder.*'], ['head.*']].")
-        if group_max_grad_norms is not None:
-            validate_group_thresholds(group_max_grad_norms, max_grad_norm)
+        validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
         self.layout_check = _refusals.warn_layout_check_off(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None
