@@ -80,10 +80,13 @@ def build_cases(args) -> list[dict]:
     def micro(model):
         return args.cnn_batch if model == "cnn" and args.cnn_batch else args.batch
 
+    acc = f"/acc{args.accumulate}" if args.accumulate > 1 else ""
+
     def ds(model, stage, method, **kw):
-        name = f"{model}/zero{stage}/{method}"
-        base = f"{model}/zero{stage}/nondp"
-        cases.append(dict(common, name=name, group=f"{model}/zero{stage}", baseline=base, kind="lightning",
+        name = f"{model}/zero{stage}{acc}/{method}"
+        base = f"{model}/zero{stage}{acc}/nondp"
+        cases.append(dict(common, name=name, group=f"{model}/zero{stage}{acc}", baseline=base, kind="lightning",
+                          accumulate=args.accumulate,
                           profile=args.profile,
                           model=model, model_kw=model_kwargs(model, args), stage=stage, method=method,
                           world=W, batch=micro(model), threads=args.threads_per_proc,
@@ -229,7 +232,7 @@ def lightning_worker(cfg: dict) -> dict:
 
     torch.set_num_threads(cfg["threads"])
     total = cfg["warmup"] + cfg["steps"]
-    W, B = cfg["world"], cfg["batch"]
+    W, B, K = cfg["world"], cfg["batch"], cfg.get("accumulate", 1)  # a step: K micro-batches (timed together)
     on_gpu = cfg["accelerator"] == "gpu"
     if on_gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -249,7 +252,7 @@ def lightning_worker(cfg: dict) -> dict:
             return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
         def train_dataloader(self):
-            n = (total + 2) * B * W
+            n = (total + 2) * B * W * K
             x, y = make_data("gpt" if cfg["model"].startswith("gpt") else "cnn", n, seed=1, **cfg["model_kw"])
             return DataLoader(TensorDataset(x, y), batch_size=B, shuffle=True, drop_last=True)
 
@@ -273,7 +276,9 @@ def lightning_worker(cfg: dict) -> dict:
         def on_train_start(self, trainer, *a):
             self.marks["setup_s"] = time.perf_counter() - self.t_fit  # fit() call → training starts
 
-        def on_train_batch_start(self, trainer, *a):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx % K:
+                return  # inside an accumulation window: the step started at its first micro-batch
             if prof is not None and trainer.global_step == cfg["warmup"]:
                 prof.start()
             if prof is not None and trainer.global_step >= cfg["warmup"]:
@@ -294,7 +299,9 @@ def lightning_worker(cfg: dict) -> dict:
             if trainer.global_step == total - 1:  # after the last backward, before its update
                 self.states = model_state_bytes(trainer.strategy.deepspeed_engine)
 
-        def on_train_batch_end(self, trainer, *a):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % K:
+                return
             if on_gpu:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start.t0)
@@ -319,7 +326,7 @@ def lightning_worker(cfg: dict) -> dict:
     trainer = L.Trainer(strategy=strategy, accelerator=cfg["accelerator"], devices=W, max_steps=total,
                         precision=cfg["precision"], callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, use_distributed_sampler=True)
+                        num_sanity_val_steps=0, use_distributed_sampler=True, accumulate_grad_batches=K)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     base = rss_bytes()
@@ -663,6 +670,8 @@ def parse_args(argv=None):
     ap.add_argument("--single-threads", type=int, default=1, help="torch threads of the one-process runs")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="accumulate_grad_batches of the DeepSpeed runs (> 1: configurations named .../accK/...)")
     ap.add_argument("--precision", default="32-true", help="Lightning precision of the DeepSpeed runs")
     ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--vocab", type=int, default=256)

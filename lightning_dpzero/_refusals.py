@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from .privacy_plan import limited_micro_batches  # noqa: F401  (the strategy reads it here)
+from .privacy_plan import limited_micro_batches
 
 
 def check_trainer(trainer, deepspeed_config) -> None:
@@ -35,19 +35,6 @@ def check_trainer(trainer, deepspeed_config) -> None:
         raise ValueError(
             f"The DeepSpeed config sets gradient_clipping={deepspeed_config['gradient_clipping']}; per-example "
             "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
-
-
-def check_deferred_writes(needs_deferred_writes: bool, clipping: str, accumulate_grad_batches: int,
-                          zero_stage: int) -> None:
-    """A clipping group that spans layers is written at the end of the backward inside DeepSpeed's one coalesced
-    reduction per step, which cannot span accumulation micro-batches on stages 1-3."""
-    if needs_deferred_writes and accumulate_grad_batches > 1 and zero_stage >= 1:
-        raise ValueError(
-            f"clipping={clipping!r} with a clipping group that spans several layers and "
-            f"accumulate_grad_batches > 1 is supported on ZeRO stage 0 only (stage {zero_stage} reduces "
-            "such gradients in one coalesced pass per optimizer step, which DeepSpeed cannot yet span over "
-            "micro-batches). Use clipping='layer-wise', stage=0, or accumulate_grad_batches=1 with a larger "
-            "batch_size.")
 
 
 def base_optimizer(deepspeed_engine) -> torch.optim.Optimizer:
@@ -81,6 +68,15 @@ def warn_layout_check_off(layout_check: bool) -> bool:
             "relative attention bias with L == B), would then train with wrong per-example gradients and release "
             "non-private updates without an error.")
     return bool(layout_check)
+
+
+def micro_batches_per_epoch(dataloader, loader, trainer) -> int:
+    """Micro-batches an epoch of the private ``loader`` runs (built from the user's ``dataloader``), after the
+    warnings and refusals about them: Lightning's batch-size-one injection, an epoch of cut windows."""
+    warn_injected_batch_size_one(dataloader)
+    per_epoch = limited_micro_batches(len(loader), trainer.limit_train_batches)
+    check_whole_windows(per_epoch, trainer.accumulate_grad_batches, trainer.limit_train_batches)
+    return per_epoch
 
 
 def check_whole_windows(micro_batches: int, accumulate_grad_batches: int, limit_train_batches) -> None:

@@ -74,7 +74,7 @@ def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(ledger.versions.items())) or "-"
     lines = [f"privacy ledger:   {source}",
              f"run id:           {ledger.run_id}",
-             f"dataset size N:   {ledger.dataset_size}",
+             f"dataset size N:   {ledger.dataset_size}{_shards(ledger)}",
              f"delta:            {ledger.delta!r}",
              f"accountant:       {ledger.accountant}",
              f"sampler:          {sampler}",
@@ -151,3 +151,10 @@ def plot_epsilon(ledger: "PrivacyLedger", output, accountants: Sequence[str] = (
     out = Path(output)
     fig.savefig(out, format="png", dpi=dpi)
     return out
+
+
+def _shards(ledger) -> str:
+    """The per-rank shards a pre-sharded run's N is the sum of ('' for one global dataset)."""
+    if ledger.shard_sizes is None:
+        return ""
+    return f" (the sum of {len(ledger.shard_sizes)} ranks' shards: {', '.join(map(str, ledger.shard_sizes))})"

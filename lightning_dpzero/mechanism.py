@@ -41,7 +41,8 @@ from .accounting import PrivacyLedger
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
-from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
+from .sampling import check_sampler_describable, poisson_sample_rate, private_dataloader
+from .shards import describe_training_data, warn_unequal_shuffled_shards
 
 
 class NonFiniteLossError(RuntimeError):
@@ -190,24 +191,30 @@ class DPMechanism:
         self._noise_applied = True
 
     # ------------------------------------------------------------------------------------------ data and plan
-    def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int) -> DataLoader:
+    def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
+                       ) -> DataLoader:
         """The training loader over the same dataset with the distributed Poisson (or shuffled) sampler at
-        ``q = B·W·K/N``, B being ``dataloader.batch_size``.
+        ``q = B·W·K/N``, B being ``dataloader.batch_size``. ``pre_sharded`` (``Trainer(use_distributed_sampler=
+        False)``): each rank's loader may hold its own shard, N is then the sum over ranks (``shards.py``).
 
         Raises:
             TypeError: the dataset has no ``__len__`` (N is needed).
-            ValueError: no ``batch_size``, a sampler the accountant cannot describe, or q > 1.
+            ValueError: no ``batch_size``, a sampler the accountant cannot describe, q > 1, or shards of which
+                some ranks hold the same dataset.
         """
-        n = dataset_size(dataloader)
         check_sampler_describable(dataloader)
+        data = describe_training_data(dataloader, self.collectives.world_size, pre_sharded)
         batch_size = getattr(dataloader, "batch_size", None)
         if batch_size is None:
             raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
                              "micro-batch): the DP sampler replaces its sampler and needs B to set q.")
         world, rank = self.collectives.world_size, self.collectives.global_rank
-        q = poisson_sample_rate(batch_size, world, accumulate_grad_batches, n)
+        q = poisson_sample_rate(batch_size, world, accumulate_grad_batches, data.dataset_size)
+        if data.shard_sizes is not None and not self.poisson_sampling:
+            warn_unequal_shuffled_shards(data.shard_sizes, batch_size * accumulate_grad_batches, q)
         return private_dataloader(dataloader, q, world, rank, accumulate_grad_batches, seed=self.seed,
-                                  secure_mode=self.secure_mode, poisson=self.poisson_sampling)
+                                  secure_mode=self.secure_mode, poisson=self.poisson_sampling,
+                                  shard_sizes=data.shard_sizes)
 
     def fix_plan(self, loader: DataLoader, *, accumulate_grad_batches: int, micro_batches_per_epoch: int,
                  max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
@@ -219,7 +226,8 @@ class DPMechanism:
             dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
             accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,
             max_steps=max_steps, max_epochs=max_epochs, noise_multiplier=self.noise_multiplier,
-            target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant)
+            target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant,
+            shard_sizes=sampler.shard_sizes)
         self.use_plan(plan)
         return plan
 
@@ -238,7 +246,7 @@ class DPMechanism:
             # one run id on every rank, so every rank's copy of the ledger is the same document
             run_id = self.collectives.broadcast(secrets.token_hex(16))
             self.ledger = PrivacyLedger(delta=plan.delta, dataset_size=plan.dataset_size,
-                                        accountant=plan.accountant, run_id=run_id)
+                                        accountant=plan.accountant, run_id=run_id, shard_sizes=plan.shard_sizes)
 
     # ------------------------------------------------------------------------------------------ resume
     def restore_ledger(self, ledger: PrivacyLedger) -> None:

@@ -70,6 +70,7 @@ class PrivacyPlan:
         sampler_kind: "poisson" or "shuffle".
         accountant: "pld" or "rdp".
         target_epsilon: the ε budget σ was calibrated to or checked against (None: no budget).
+        shard_sizes: pre-sharded data: each rank's shard length (their sum is N); None: one global dataset.
 
     Example:
         >>> plan = PrivacyPlan.build(dataset_size=60_000, sample_rate=256 / 60_000, sampler_kind="poisson",
@@ -88,12 +89,14 @@ class PrivacyPlan:
     sampler_kind: Sampler
     accountant: Accountant = "pld"
     target_epsilon: Optional[float] = None
+    shard_sizes: Optional[tuple[int, ...]] = None
 
     @classmethod
     def build(cls, *, dataset_size: int, sample_rate: float, sampler_kind: Sampler, accumulate_grad_batches: int,
               micro_batches_per_epoch: int, max_steps: Optional[int], max_epochs: Optional[int],
               noise_multiplier: Optional[float], target_epsilon: Optional[float] = None,
-              delta: float = DEFAULT_DELTA, accountant: Accountant = "pld") -> "PrivacyPlan":
+              delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
+              shard_sizes: Optional[tuple[int, ...]] = None) -> "PrivacyPlan":
         """Fix the plan of a run: the planned steps, and σ calibrated to ``target_epsilon`` when not given.
 
         Args:
@@ -107,6 +110,7 @@ class PrivacyPlan:
                 ``max_epochs * max(micro_batches_per_epoch // K, 1)``.
             noise_multiplier: σ, or None to calibrate it from ``target_epsilon``.
             target_epsilon, delta, accountant: see :class:`AccountingSettings`.
+            shard_sizes: see the attribute (recorded, not used in the arithmetic: N is already their sum).
 
         Raises:
             ValueError: no σ and no target; a target for an unbounded run without σ; an explicit σ whose ε over
@@ -147,7 +151,7 @@ class PrivacyPlan:
                            "use δ well below 1/N.")
         return cls(dataset_size=n, sample_rate=q, expected_batch_size=q * n, noise_multiplier=float(sigma),
                    delta=delta, planned_steps=planned, sampler_kind=sampler_kind,
-                   accountant=accountant, target_epsilon=target_epsilon)
+                   accountant=accountant, target_epsilon=target_epsilon, shard_sizes=shard_sizes)
 
 
 def rank_zero_warn(message: str) -> None:

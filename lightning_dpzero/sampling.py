@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate, default_convert
+
+from ._collate import empty_safe_collate
 
 __all__ = ["DistributedPoissonBatchSampler", "DistributedShuffledBatchSampler", "empty_safe_collate",
            "private_dataloader", "poisson_sample_rate", "dataset_size", "check_sampler_describable"]
@@ -38,12 +39,14 @@ def _secure_uniform(n: int) -> np.ndarray:
 
 
 class _ShardedBatchSampler(Sampler[list[int]]):
-    """Shared plumbing: rank r owns indices r, r+W, r+2W, ...; epochs; (seed, epoch, rank) generators."""
+    """Shared plumbing: rank r owns indices r, r+W, r+2W, ... of one global dataset, or (``shard_sizes``) all
+    ``shard_sizes[r]`` indices of its own dataset, a shard of the training set; epochs; (seed, epoch, rank)
+    generators."""
 
     sampler_kind = "base"
 
     def __init__(self, num_samples: int, num_replicas: int, rank: int, accumulate_grad_batches: int,
-                 seed: int, secure_mode: bool) -> None:
+                 seed: int, secure_mode: bool, shard_sizes: Sequence[int] | None = None) -> None:
         super().__init__()
         self.num_samples = _check_int("num_samples", num_samples, 1, "The training set must not be empty.")
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, "Pass the world size (devices x nodes).")
@@ -55,7 +58,15 @@ class _ShardedBatchSampler(Sampler[list[int]]):
                                                   "Use 1 for no gradient accumulation.")
         self.seed, self.secure_mode = int(seed), bool(secure_mode)
         self.epoch, self._passes = 0, 0
-        self.shard = np.arange(self.rank, self.num_samples, self.num_replicas, dtype=np.int64)
+        self.shard_sizes = None if shard_sizes is None else tuple(int(s) for s in shard_sizes)
+        if self.shard_sizes is None:
+            self.shard = np.arange(self.rank, self.num_samples, self.num_replicas, dtype=np.int64)
+        else:
+            if len(self.shard_sizes) != self.num_replicas or sum(self.shard_sizes) != self.num_samples \
+                    or min(self.shard_sizes) < 1:
+                raise ValueError(f"`shard_sizes` must hold num_replicas={self.num_replicas} sizes >= 1 that sum to "
+                                 f"num_samples={self.num_samples}, got {list(self.shard_sizes)}.")
+            self.shard = np.arange(self.shard_sizes[self.rank], dtype=np.int64)
 
     @property
     def sampler(self) -> _ShardedBatchSampler:
@@ -82,7 +93,8 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
     Args:
         num_samples: N, the size of the whole training set (all ranks), >= 1.
         sample_rate: q in (0, 1], the inclusion probability of each example at each optimizer step.
-        num_replicas: W, the number of ranks. Rank r owns the disjoint shard r, r+W, r+2W, ...
+        num_replicas: W, the number of ranks. Rank r owns the disjoint shard r, r+W, r+2W, ... of the dataset
+            (or, with ``shard_sizes``, the whole of its own dataset).
         rank: this process's rank in [0, W).
         accumulate_grad_batches: K >= 1. One optimizer step's sample on this rank (sorted indices) is split
             into K consecutive micro-batches whose sizes differ by at most one; some may be empty.
@@ -90,6 +102,9 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
         seed: with `epoch` and `rank`, seeds a `numpy.random.Generator`, so runs reproduce.
         secure_mode: draw inclusions from the OS CSPRNG (`os.urandom`); the seed is then ignored and no run can
             be reproduced, which is the point: an attacker who knows the seed learns nothing about the batches.
+        shard_sizes: pre-sharded data (``Trainer(use_distributed_sampler=False)``): the length of each rank's own
+            dataset, in rank order, summing to N. Each shard is sampled at the same q, which is exact Poisson
+            subsampling of their union; every rank still yields the same number of micro-batches.
 
     Yields `len(self) = steps_per_epoch * K` lists of indices per epoch on every rank, empty lists included.
     The expected logical batch over all ranks is `expected_batch_size = q * N`; the mechanism divides by it,
@@ -111,8 +126,8 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
 
     def __init__(self, num_samples: int, sample_rate: float, num_replicas: int = 1, rank: int = 0,
                  accumulate_grad_batches: int = 1, steps_per_epoch: int | None = None,
-                 seed: int = 0, secure_mode: bool = False) -> None:
-        super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode)
+                 seed: int = 0, secure_mode: bool = False, shard_sizes: Sequence[int] | None = None) -> None:
+        super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
             raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate!r}. It is q = expected batch / N; "
                              "use a smaller batch size or fewer devices/accumulation steps.")
@@ -144,8 +159,9 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
 class DistributedShuffledBatchSampler(_ShardedBatchSampler):
     """Fixed-size shuffled batches (the common q = B W K / N approximation of Poisson sampling).
 
-    Each rank shuffles its own shard (r, r+W, ...; truncated to N // W so ranks agree) every epoch and yields
-    `steps_per_epoch * K` micro-batches of exactly `batch_size` indices, dropping the remainder. The ledger
+    Each rank shuffles its own shard (r, r+W, ...; truncated to N // W so ranks agree; or, with `shard_sizes`,
+    its own dataset) every epoch and yields `steps_per_epoch * K` micro-batches of exactly `batch_size` indices,
+    dropping the remainder (steps per epoch: those of the smallest shard). The ledger
     must record `sampler_kind = "shuffle"`: the Poisson accounting is then an approximation.
 
     Raises:
@@ -160,10 +176,11 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
     sampler_kind = "shuffle"
 
     def __init__(self, num_samples: int, batch_size: int, num_replicas: int = 1, rank: int = 0,
-                 accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False) -> None:
-        super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode)
+                 accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
+                 shard_sizes: Sequence[int] | None = None) -> None:
+        super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
         self.batch_size = _check_int("batch_size", batch_size, 1, "Pass the per-device micro-batch size.")
-        per_rank = self.num_samples // self.num_replicas
+        per_rank = self.num_samples // self.num_replicas if shard_sizes is None else min(self.shard_sizes)
         self.steps_per_epoch = per_rank // (self.batch_size * self.accumulate_grad_batches)
         if self.steps_per_epoch < 1:
             raise ValueError(f"batch_size={batch_size} x accumulate_grad_batches={accumulate_grad_batches} exceeds "
@@ -180,7 +197,7 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
         return self.expected_batch_size / self.num_samples
 
     def __iter__(self) -> Iterator[list[int]]:
-        shard = self.shard[: self.num_samples // self.num_replicas]
+        shard = self.shard if self.shard_sizes is not None else self.shard[: self.num_samples // self.num_replicas]
         if self.secure_mode:
             order = np.argsort(np.frombuffer(os.urandom(8 * len(shard)), dtype=np.uint64), kind="stable")
         else:
@@ -190,66 +207,25 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
             yield shard[order[i * b:(i + 1) * b]].tolist()
 
 
-def _empty_like(batch: Any) -> Any:
-    """Slice every tensor/array leaf to [:0], keeping tuples, lists, dicts and namedtuples."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch[:0]
-    if isinstance(batch, Mapping):
-        items = {k: _empty_like(v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except TypeError:
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_empty_like(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        if all(not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple)) for v in batch):
-            return type(batch)()  # a per-example list of plain values (strings, ...): 0 examples
-        return type(batch)(_empty_like(v) for v in batch)
-    return batch
-
-
-class _EmptySafeCollate:
-    """Picklable wrapper (DataLoader workers may be spawned); each worker caches its own template."""
-
-    def __init__(self, collate_fn: Callable[[list], Any], dataset: Any) -> None:
-        self.collate_fn, self.dataset, self._template = collate_fn, dataset, None
-
-    def __call__(self, examples: list) -> Any:
-        if len(examples) > 0:
-            return self.collate_fn(examples)
-        if self._template is None:
-            self._template = self.collate_fn([self.dataset[0]])
-        return _empty_like(self._template)
-
-
-def empty_safe_collate(collate_fn: Callable[[list], Any] | None, dataset: Any) -> Callable[[list], Any]:
-    """Wrap a collate function so an empty list of examples gives a batch with 0 rows of the right shape and
-    dtype: `dataset[0]` is collated once, cached, and every tensor/array in it sliced to [:0], keeping the
-    nested structure (tuples, lists, dicts, namedtuples). PyTorch's default collate raises IndexError on [].
-
-    Example: TensorDataset(x (N, 3, 4), y (N,)) gives [x (0, 3, 4), y (0,)] with x's and y's dtypes.
-    `collate_fn=None` means `default_collate`. Wrapping twice is a no-op.
-    """
-    if isinstance(collate_fn, _EmptySafeCollate):
-        return collate_fn
-    return _EmptySafeCollate(default_collate if collate_fn is None else collate_fn, dataset)
-
-
-def dataset_size(dataloader: DataLoader) -> int:
+def dataset_size(dataloader: DataLoader, shard: bool = False) -> int:
     """N = len(dataloader.dataset). Raises TypeError for an IterableDataset or a dataset without __len__, and
-    ValueError for an empty one: Poisson sampling and the accountant both need N."""
+    ValueError for an empty one: Poisson sampling and the accountant both need N. ``shard``: the loader holds
+    this rank's shard (``Trainer(use_distributed_sampler=False)``), which the messages then say."""
     dataset = getattr(dataloader, "dataset", None)
     if isinstance(dataset, IterableDataset):
+        where = (" With Trainer(use_distributed_sampler=False) each rank's DataLoader must be a map-style Dataset "
+                 "of that rank's shard: N is the sum of the shards' lengths, and each shard is Poisson-sampled by "
+                 "index." if shard else "")
         raise TypeError("DP accounting needs the training set's size N; an IterableDataset has none and cannot be "
-                        "Poisson-sampled. Use a map-style Dataset (with __len__ and __getitem__).")
+                        f"Poisson-sampled. Use a map-style Dataset (with __len__ and __getitem__).{where}")
     try:
         n = len(dataset)  # type: ignore[arg-type]
     except TypeError as err:
         raise TypeError(f"DP accounting needs the training set's size N; {type(dataset).__name__} has no "
                         "__len__. Give the training dataset a __len__.") from err
     if n < 1:
-        raise ValueError("DP accounting needs the training set's size N; the training dataset is empty.")
+        raise ValueError("DP accounting needs the training set's size N; the training dataset is empty." + (
+            " With Trainer(use_distributed_sampler=False) every rank needs a non-empty shard." if shard else ""))
     return int(n)
 
 
@@ -346,10 +322,12 @@ def poisson_sample_rate(batch_size: int, num_replicas: int, accumulate_grad_batc
 
 def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas: int, rank: int,
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
-                       poisson: bool = True, steps_per_epoch: int | None = None) -> DataLoader:
+                       poisson: bool = True, steps_per_epoch: int | None = None,
+                       shard_sizes: Sequence[int] | None = None) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
-    `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`.
+    `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
+    with `shard_sizes` (each rank's loader holds its own shard) N = their sum.
     `poisson=False`: a `DistributedShuffledBatchSampler` with the loader's own `batch_size` per rank and
     micro-batch; `sample_rate` must then equal B W K / N (as from `poisson_sample_rate`), else ValueError.
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
@@ -357,16 +335,17 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     The user's sampler, shuffle, batch_size and drop_last are replaced. The result's `batch_sampler` carries
     `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger.
     """
-    n = dataset_size(dataloader)
+    n = dataset_size(dataloader) if shard_sizes is None else sum(shard_sizes)
     if poisson:
         batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
-            n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode)
+            n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode,
+            shard_sizes)
     else:
         if dataloader.batch_size is None:
             raise ValueError("poisson_sampling=False needs the DataLoader's batch_size (the per-device "
                              "micro-batch); build the DataLoader with batch_size=B.")
         batch_sampler = DistributedShuffledBatchSampler(
-            n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode)
+            n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
         if not math.isclose(batch_sampler.sample_rate, sample_rate, rel_tol=1e-9):
             raise ValueError(f"sample_rate={sample_rate} does not match batch_size x devices x "
                              f"accumulate_grad_batches / N = {batch_sampler.sample_rate}; pass "

@@ -3,7 +3,7 @@ the DP pieces (docs/design.md, *Where each piece runs*).
 
 * ``setup``: validate settings, trainer and module (I5), attach the per-example engine, then DeepSpeed as usual,
   then the mechanism's noise hook on the base optimizer;
-* ``process_dataloader``: the mechanism's private loader (distributed Poisson sampler) and privacy plan;
+* ``process_dataloader``: the mechanism's private loader (Poisson sampler, also of per-rank shards) and plan;
 * ``training_step`` / ``backward``: the mechanism declares each micro-batch and probes the loss for every factor
   Lightning and DeepSpeed put on it, so the engine recovers each example's own gradient before clipping;
 * ``on_train_batch_start`` / ``optimizer_step``: DeepSpeed's boundary follows the sampler's window, and the ledger
@@ -16,7 +16,6 @@ The DP step itself is :class:`~lightning_dpzero.mechanism.DPMechanism` (``strate
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -29,6 +28,7 @@ from . import _known_warnings, _lightning_loop as _loop, _refusals
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, LossReduction, check_option
 from ._strategy_names import register_names
+from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
@@ -158,8 +158,6 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if fitting:
             if self.clipping_groups == "param_groups":
                 self.per_sample.set_groups(self._user_param_groups, self.group_max_grad_norms)
-            _refusals.check_deferred_writes(self.per_sample.needs_deferred_writes, self.clipping,
-                                            trainer.accumulate_grad_batches, self.zero_stage)
             self.mechanism.install_noise(_refusals.base_optimizer(self.deepspeed_engine),
                                          replicated=self.zero_stage == 0)
 
@@ -176,11 +174,9 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not self.mechanism.active:
             return super().process_dataloader(dataloader)
-        k = trainer.accumulate_grad_batches
-        loader = self.mechanism.private_loader(dataloader, k)
-        _refusals.warn_injected_batch_size_one(dataloader)
-        per_epoch = _refusals.limited_micro_batches(len(loader), trainer.limit_train_batches)
-        _refusals.check_whole_windows(per_epoch, k, trainer.limit_train_batches)
+        k, sharded = trainer.accumulate_grad_batches, not trainer._accelerator_connector.use_distributed_sampler
+        loader = self.mechanism.private_loader(dataloader, k, pre_sharded=sharded)  # each rank's own shard?
+        per_epoch = _refusals.micro_batches_per_epoch(dataloader, loader, trainer)
         self.mechanism.fix_plan(loader, accumulate_grad_batches=k, max_steps=trainer.max_steps,
                                 max_epochs=trainer.max_epochs, micro_batches_per_epoch=per_epoch)
         return loader
@@ -215,12 +211,9 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.mechanism.active:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        closure_loss = self.mechanism.probe_loss(closure_loss, self.lightning_module.trainer.accumulate_grad_batches,
-                                                 self.deepspeed_engine.gradient_accumulation_steps())
-        ctx = contextlib.nullcontext()
-        if self.per_sample.needs_deferred_writes and self.zero_stage >= 1:
-            ctx = self.deepspeed_engine.coalesce_grad_reduction()
-        with ctx:
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        closure_loss = self.mechanism.probe_loss(closure_loss, k, self.deepspeed_engine.gradient_accumulation_steps())
+        with deferred_writes_reduced(self.per_sample, self.deepspeed_engine, self.zero_stage, k):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

@@ -22,14 +22,16 @@ from models import build_model, make_dataset  # noqa: E402
 
 
 class IndexedDataset(Dataset):
-    def __init__(self, x, y):
-        self.x, self.y = x, y
+    """The examples ``start, start+1, ...`` of the data set, each with its index in the whole data set."""
+
+    def __init__(self, x, y, start=0):
+        self.x, self.y, self.start = x, y, start
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
-        return self.x[i], self.y[i], torch.tensor(i)
+        return self.x[i], self.y[i], torch.tensor(self.start + i)
 
 
 class Module(L.LightningModule):
@@ -64,6 +66,11 @@ class Module(L.LightningModule):
 
     def train_dataloader(self):
         x, y = make_dataset(self.case["model"], self.case["n"])
+        shards = self.case.get("shards")  # [[start, stop] per rank]: each rank's loader holds its own shard
+        if shards is not None:
+            start, stop = shards[self.global_rank]
+            return DataLoader(IndexedDataset(x[start:stop], y[start:stop], start), batch_size=self.case["batch_size"],
+                              shuffle=True)
         return DataLoader(IndexedDataset(x, y), batch_size=self.case["batch_size"], shuffle=True)
 
 
@@ -108,6 +115,7 @@ def run_case(case, out_dir, devices):
         max_epochs=case.get("max_epochs"),  # -1 with steps=-1: unbounded (the privacy budget stops it)
         limit_train_batches=case.get("limit_train_batches"),
         accumulate_grad_batches=case["accumulate"], precision=case.get("precision", "32-true"),
+        use_distributed_sampler=case.get("use_distributed_sampler", True),
         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, ckpt_path=case.get("resume_from"))

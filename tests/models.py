@@ -42,6 +42,17 @@ class WideNet(nn.Module):
         return self.fc(x)
 
 
+class WideTwoLayers(nn.Module):
+    """The wide Linear and a small head: all-layer clipping then spans two layers (the coalesced path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(128, 256), nn.Linear(256, 3)
+
+    def forward(self, x):
+        return self.head(self.fc(x))
+
+
 class TinyViT(nn.Module):
     """Conv2d patches → [class token; patches] + position embedding (raw parameters used by the forward) →
     LayerNorm → Linear on the mean of the tokens."""
@@ -143,7 +154,8 @@ def build_model(kind):
         import zoo
 
         return zoo.build(kind[4:])
-    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "vit": TinyViT, "rnn": RNNLM, "bag": BagNet,
+    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "wide2": WideTwoLayers, "vit": TinyViT,
+            "rnn": RNNLM, "bag": BagNet,
             "timefirst": TimeFirstNet, "generic": GenericNet}[kind]()
 
 

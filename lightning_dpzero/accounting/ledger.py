@@ -101,8 +101,11 @@ class PrivacyLedger:
         accountant: ``"pld"`` (default, tight) or ``"rdp"``.
         run_id: identifies the training run (a random uuid4 hex if None); resume refuses a ledger
             from another run (:meth:`same_run`).
+        shard_sizes: pre-sharded data: the length of each rank's shard, in rank order, summing to
+            ``dataset_size`` (hashed with the metadata); ``None`` (default): one dataset, sharded by the sampler.
+            A ledger without it (older ones included) hashes exactly as before.
 
-    Attributes ``entries`` (list of :class:`LedgerEntry`), ``delta``, ``dataset_size``,
+    Attributes ``entries`` (list of :class:`LedgerEntry`), ``delta``, ``dataset_size``, ``shard_sizes``,
     ``accountant``, ``run_id`` and ``versions`` (installed versions of lightning_dpzero, torch,
     deepspeed, lightning, dp_accounting; missing ones absent; informational, not hashed).
     Raises ValueError on invalid arguments.
@@ -118,11 +121,17 @@ class PrivacyLedger:
     """
 
     def __init__(self, delta: float, dataset_size: int, accountant: str = "pld",
-                 run_id: str | None = None):
+                 run_id: str | None = None, shard_sizes: list[int] | tuple[int, ...] | None = None):
         self.delta = _check_delta(delta)
         if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
             raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}.")
         self.dataset_size = int(dataset_size)
+        if shard_sizes is not None:
+            shard_sizes = [int(n) for n in shard_sizes]
+            if not shard_sizes or min(shard_sizes) < 1 or sum(shard_sizes) != self.dataset_size:
+                raise ValueError(f"shard_sizes must be sizes >= 1 summing to dataset_size={self.dataset_size}, "
+                                 f"got {shard_sizes!r}.")
+        self.shard_sizes = shard_sizes
         self.accountant = _check_accountant(accountant)
         self.run_id = uuid.uuid4().hex if run_id is None else str(run_id)
         self.versions = _library_versions()
@@ -131,8 +140,11 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- hash chain
     def _metadata(self) -> dict:
-        return {"delta": self.delta, "dataset_size": self.dataset_size,
+        meta = {"delta": self.delta, "dataset_size": self.dataset_size,
                 "accountant": self.accountant, "run_id": self.run_id}
+        if self.shard_sizes is not None:  # absent otherwise: older ledgers' hashes stay valid
+            meta["shard_sizes"] = list(self.shard_sizes)
+        return meta
 
     def _genesis(self) -> str:
         return hashlib.sha256((_GENESIS + _canonical(self._metadata())).encode()).hexdigest()
@@ -159,7 +171,7 @@ class PrivacyLedger:
         if len(self._hashes) != len(self.entries) or self._chain() != self._hashes:
             raise LedgerIntegrityError(
                 f"privacy ledger {self.run_id!r} does not match its hash chain: an entry or the "
-                "metadata (delta, dataset_size, accountant, run_id) was edited.")
+                "metadata (delta, dataset_size, shard_sizes, accountant, run_id) was edited.")
 
     # ----------------------------------------------------------------- charging
     def charge(self, sample_rate: float, noise_multiplier: float, sampler: str = "poisson",
@@ -234,7 +246,7 @@ class PrivacyLedger:
         try:
             if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"not a version-{FORMAT_VERSION} {FORMAT} document")
-            led = cls(d["delta"], d["dataset_size"], d["accountant"], d["run_id"])
+            led = cls(d["delta"], d["dataset_size"], d["accountant"], d["run_id"], d.get("shard_sizes"))
             led.versions = dict(d.get("versions", {}))
             for item in d["entries"]:
                 led.entries.append(LedgerEntry(item["sample_rate"], item["noise_multiplier"],

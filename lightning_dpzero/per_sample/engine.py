@@ -39,6 +39,7 @@ from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
+from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
 
@@ -92,6 +93,8 @@ class PerSampleEngine:
         self.expected_batch_size: Optional[int] = None
         self.grad_scale = 1.0  # observed grad × grad_scale = gradient of the per-example loss (× B for "mean")
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
+        self.window = WindowBuffer()  # clipped sums held until an accumulation window's boundary (window.py)
+        self._window_mode = False
         self._reset_pass()
         self.reset_stats()
         self.last_norms: Optional[torch.Tensor] = None
@@ -170,6 +173,7 @@ class PerSampleEngine:
         for handle in self._guards:
             handle.remove()
         self.hooks, self._guards, self.active = [], [], False
+        self.window.clear()  # a window cut by an exception: nothing held reaches a later fit
 
     def clipping_now(self) -> bool:
         """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
@@ -198,6 +202,15 @@ class PerSampleEngine:
         mean loss); ``emit_scale``: multiplies what is returned or written as a gradient (a loss scale that
         DeepSpeed divides out before the step). See docs/design.md, *The factors on the loss*."""
         self.grad_scale, self.emit_scale = float(grad_scale), float(emit_scale)
+
+    def accumulate_window(self, boundary: bool) -> None:
+        """From now on every group's clipped sum is deferred: held in :attr:`window` (fp32) before the
+        accumulation ``boundary``, written into ``p.grad`` with what is held at it (window.py)."""
+        self._window_mode = True
+        self.window.hold = not boundary
+
+    def _returns(self, k: int, hook: LayerHook) -> bool:  # through autograd from hook's site, else deferred
+        return k in hook.returnable and not self._window_mode
 
     def new_forward(self) -> None:
         """Start of a micro-batch's forward: forget sites of an earlier forward that never ran backward."""
@@ -329,7 +342,7 @@ class PerSampleEngine:
     def _completes_at(self, hook: LayerHook) -> bool:
         """Every group of this site completes at it and is returned through autograd from it (layer-wise),
         so ``clipped_grads`` for this site runs right after ``norm_sq`` (see ``_complete``)."""
-        return all(self._sites_left.get(k) == 1 and k in hook.returnable for k in hook.groups)
+        return all(self._sites_left.get(k) == 1 and self._returns(k, hook) for k in hook.groups)
 
     @staticmethod
     def _add(store: dict, key: int, value: torch.Tensor) -> None:
@@ -346,7 +359,7 @@ class PerSampleEngine:
         self._total_sq = norms.pow(2) if self._total_sq is None else self._total_sq + norms.pow(2)
         coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
         records = self._records.pop(k)
-        if hook is not None and k in hook.returnable:
+        if hook is not None and self._returns(k, hook):
             return self._clipped(ids, coef, records)
         self._deferred.append((ids, coef, records))
         return {}
@@ -369,12 +382,7 @@ class PerSampleEngine:
             self._complete(k, None)
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
         for ids, coef, records in self._deferred:
-            for i, gr in self._clipped(ids, coef, records).items():
-                p = by_id[i]
-                if p.grad is None:
-                    p.grad = gr.to(p.dtype)
-                else:
-                    p.grad.add_(gr.to(p.grad.dtype).view_as(p.grad))
+            self.window.write((by_id[i], gr) for i, gr in self._clipped(ids, coef, records).items())
         total, paths = self._total_sq, self._paths
         self._reset_pass()
         if total is not None:  # a backward ran (``micro_batch`` calls this again after the queued call)

@@ -1,0 +1,57 @@
+"""Collating an empty Poisson micro-batch: a batch of 0 rows with the structure, shapes and dtypes of a real one
+(docs/design.md, *The mechanism*: an empty batch is a valid, noise-only step)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import default_collate
+
+
+def _empty_like(batch: Any) -> Any:
+    """Slice every tensor/array leaf to [:0], keeping tuples, lists, dicts and namedtuples."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch[:0]
+    if isinstance(batch, Mapping):
+        items = {k: _empty_like(v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_empty_like(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if all(not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple)) for v in batch):
+            return type(batch)()  # a per-example list of plain values (strings, ...): 0 examples
+        return type(batch)(_empty_like(v) for v in batch)
+    return batch
+
+
+class _EmptySafeCollate:
+    """Picklable wrapper (DataLoader workers may be spawned); each worker caches its own template."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], dataset: Any) -> None:
+        self.collate_fn, self.dataset, self._template = collate_fn, dataset, None
+
+    def __call__(self, examples: list) -> Any:
+        if len(examples) > 0:
+            return self.collate_fn(examples)
+        if self._template is None:
+            self._template = self.collate_fn([self.dataset[0]])
+        return _empty_like(self._template)
+
+
+def empty_safe_collate(collate_fn: Callable[[list], Any] | None, dataset: Any) -> Callable[[list], Any]:
+    """Wrap a collate function so an empty list of examples gives a batch with 0 rows of the right shape and
+    dtype: `dataset[0]` is collated once, cached, and every tensor/array in it sliced to [:0], keeping the
+    nested structure (tuples, lists, dicts, namedtuples). PyTorch's default collate raises IndexError on [].
+
+    Example: TensorDataset(x (N, 3, 4), y (N,)) gives [x (0, 3, 4), y (0,)] with x's and y's dtypes.
+    `collate_fn=None` means `default_collate`. Wrapping twice is a no-op.
+    """
+    if isinstance(collate_fn, _EmptySafeCollate):
+        return collate_fn
+    return _EmptySafeCollate(default_collate if collate_fn is None else collate_fn, dataset)

@@ -1,0 +1,38 @@
+"""How the clipped sums of a clipping group that spans layers reach DeepSpeed's one reduction per optimizer step
+(docs/design.md, *Where each piece runs*: backward).
+
+Such a group (all-layer, group-wise) is complete only at the end of the backward pass, after DeepSpeed's reduce
+hooks ran, so on ZeRO 1-3 its clipped sums are written into ``p.grad`` inside ``coalesce_grad_reduction()``, whose
+exit reduces what the parameters hold. One block is one optimizer step: on ZeRO-1 and -2 a block's flush overwrites
+what an earlier block of the same accumulation window reduced (measured with DeepSpeed 0.19.8: with one block per
+micro-batch only the last micro-batch reached the update; on ZeRO-3 the blocks happened to accumulate, but DeepSpeed
+documents that blocks must not span a window, so every stage uses the buffer below). Lightning runs DeepSpeed's
+``step()`` after every micro-batch, and ``step()`` inside a block raises, so one block cannot span the window
+either. Hence, with ``accumulate_grad_batches = K > 1``: the K - 1 micro-batches before the boundary hold their
+clipped sums in the engine's local fp32 buffer (their backward hands DeepSpeed zeros, reduced as any accumulation
+step's), and the boundary micro-batch's backward runs inside the block and writes its sums with the held ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def deferred_writes_reduced(per_sample, deepspeed_engine, zero_stage: int, accumulate_grad_batches: int
+                            ) -> Iterator[None]:
+    """Around one micro-batch's backward: nothing to do for layer-wise groups (returned through autograd) or on
+    stage 0 (``p.grad`` accumulates and DeepSpeed reduces it at the boundary); otherwise see the module."""
+    if not per_sample.needs_deferred_writes or zero_stage < 1:
+        yield
+        return
+    boundary = bool(deepspeed_engine.is_gradient_accumulation_boundary())
+    if accumulate_grad_batches > 1:
+        per_sample.accumulate_window(boundary)
+    if not boundary:
+        yield
+        return
+    with deepspeed_engine.coalesce_grad_reduction():
+        yield
+        per_sample.window.flush()  # whatever the backward did not write (e.g. a group of sites that never ran)
