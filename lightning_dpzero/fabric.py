@@ -169,6 +169,14 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
+    def _format_config(self) -> None:
+        super()._format_config()
+        # DeepSpeed's default is gradient_clipping=1.0, which ZeRO 1-3 apply to the summed gradient inside the
+        # optimizer step (the Trainer's strategy sets 0.0; Fabric's leaves DeepSpeed's default): per-example
+        # clipping replaces it, and a value the user set is refused in setup
+        self.config.setdefault("gradient_clipping", 0.0)
+
+    @override
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         if self.config and self.config.get("gradient_clipping"):
             raise ValueError(

@@ -62,10 +62,10 @@ def run_case(case, out_dir, devices):
     fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=case.get("precision", "32-true"))
     fabric.launch()
     torch.manual_seed(case.get("init_seed", 0))
-    model = Net(case["model"])
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=case["lr"])
-    model, optimizer = fabric.setup(model, optimizer)
+    raw = Net(case["model"])
+    init = {n: p.detach().clone() for n, p in raw.named_parameters()}
+    optimizer = torch.optim.SGD(raw.parameters(), lr=case["lr"])
+    model, optimizer = fabric.setup(raw, optimizer)
     x, y = make_dataset(case["model"], case["n"])
     train_loader = DataLoader(IndexedDataset(x, y), batch_size=case["batch_size"], shuffle=True)
     seen, metrics, error = [], [], None
@@ -82,7 +82,7 @@ def run_case(case, out_dir, devices):
         error, steps = f"{type(exc).__name__}: {exc}", 0
     if case.get("save_path"):
         fabric.save(case["save_path"], {"model": model, "optimizer": optimizer, "step": steps})
-    final = gathered_params(model, case["stage"])
+    final = gathered_params(raw, case["stage"])
     rank, name = fabric.global_rank, case["name"]
     with open(os.path.join(out_dir, f"{name}.seen{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -91,7 +91,7 @@ def run_case(case, out_dir, devices):
     torch.save(final, os.path.join(out_dir, f"{name}.final{rank}.pt"))
     if rank == 0:
         ledger = strategy.ledger
-        torch.save({"init": {f"{k}": v for k, v in init.items()}, "final": final, "error": error,
+        torch.save({"init": init, "final": final, "error": error,
                     "ledger": ledger.to_dict() if ledger is not None else None,
                     "global_step": strategy.steps.taken, "steps_this_run": steps,
                     "plan": vars(strategy.plan) if strategy.plan is not None else None,
