@@ -30,9 +30,9 @@ import lightning_dpzero  # noqa: F401  (registers the dp_deepspeed* strategies w
 from lightning_dpzero import DPFabricStrategy
 
 try:
-    from .digits import DigitsCNN, digits_datasets, quiet
+    from .digits import DigitsCNN, add_dp_arguments, digits_datasets, quiet
 except ImportError:  # run as a script: python examples/fabric_digits.py
-    from digits import DigitsCNN, digits_datasets, quiet
+    from digits import DigitsCNN, add_dp_arguments, digits_datasets, quiet
 
 
 def train(args: argparse.Namespace) -> None:
@@ -85,18 +85,8 @@ def train(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=128, help="per-device micro-batch (expected)")
-    p.add_argument("--lr", type=float, default=2.0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="C, per-example clipping bound")
-    p.add_argument("--target-epsilon", type=float, default=8.0)
-    p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--noise-multiplier", type=float, default=None, help="explicit sigma instead of a target")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
-    p.add_argument("--seed", type=int, default=0)
+    p = add_dp_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     p.add_argument("--checkpoint", default=None, help="directory for fabric.save at the end")
     return p.parse_args(argv)
 

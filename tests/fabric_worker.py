@@ -20,7 +20,7 @@ import lightning_dpzero  # noqa: F401  (registers the strategies)
 from lightning_dpzero import DPFabricStrategy
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dp_worker import IndexedDataset, gathered_params  # noqa: E402
+from dp_worker import IndexedDataset, gathered_params, main  # noqa: E402
 from models import build_model, make_dataset  # noqa: E402
 
 
@@ -99,14 +99,5 @@ def run_case(case, out_dir, devices):
                    os.path.join(out_dir, f"{name}.pt"))
 
 
-def main():
-    cases = json.load(open(sys.argv[1]))
-    out_dir = sys.argv[2]
-    devices = int(os.environ.get("WORLD_SIZE", "1"))
-    for case in cases:
-        run_case(case, out_dir, devices)
-        torch.distributed.barrier() if torch.distributed.is_initialized() else None
-
-
 if __name__ == "__main__":
-    main()
+    main(run_case)
