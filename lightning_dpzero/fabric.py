@@ -213,7 +213,11 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
     # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader):
-        if not self.mechanism.active or self._loader is not None:
+        if not self.mechanism.active:
+            raise RuntimeError("fabric.setup_dataloaders before fabric.setup(model, optimizer): the DP strategy "
+                               "makes the first loader set up after the model the private training loader. Call "
+                               "fabric.setup(model, optimizer) first, then fabric.setup_dataloaders(train_loader).")
+        if self._loader is not None:
             return super().process_dataloader(dataloader)  # loaders after the first (validation): unchanged
         if self.accounting.target_epsilon is not None and self.mechanism.noise_multiplier is None and not (
                 self.max_steps or self.max_epochs):

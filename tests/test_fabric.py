@@ -177,3 +177,10 @@ def test_an_empty_poisson_batch_is_a_noise_only_step():
         _step(fabric, model, optimizer, batch)
     assert 0 in sizes and fabric.strategy.ledger.steps == len(sizes)
     assert all(math.isfinite(p.abs().sum().item()) for p in model.parameters())
+
+
+def test_a_loader_set_up_before_the_model_is_refused():
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=DPFabricStrategy(noise_multiplier=1.0))
+    fabric.launch()
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\) first"):
+        fabric.setup_dataloaders(DataLoader(_data(), batch_size=8))

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from harness import expected_params, run_cases
+from harness import check_bf16_against_oracle, expected_params, run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,12 @@ def _cases(world_size, save_dir):
     for stage in (0, 3):
         cases.append(dict(BASE, name=f"i3_s{stage}", model="wide", stage=stage, sigma=1.5, C=2.0, lr=1.0, steps=1,
                           zero_loss=True, n=256))
+    # bf16-mixed: DeepSpeed keeps bf16 weights and fp32 master weights; norms and noise are fp32
+    cases.append(dict(BASE, name="bf16_lw_s2", stage=2, precision="bf16-mixed", C=0.1))
     # checkpoints: saved here, resumed (and refused when tampered with) by the second launch
     cases.append(dict(BASE, name="ck_save_s2", stage=2, sigma=1.0, steps=2, save_path=str(save_dir / "ck_s2")))
     if world_size == 1:
-        cases = [c for c in cases if c["name"] in ("i1_s0", "i2_lw_s3", "i2_al_s2", "i3_s3", "ck_save_s2")]
+        cases = [c for c in cases if c["name"] in ("i1_s0", "i2_lw_s3", "i2_al_s2", "i3_s3", "bf16_lw_s2", "ck_save_s2")]
     return cases
 
 
@@ -76,6 +78,12 @@ def test_i2_clipping_matches_the_torch_func_oracle_on_the_union_batch(runs):
     ws, case, res = _by_prefix(runs, "i2_lw_s3")[0]
     unclipped = expected_params(dict(case, C=math.inf), res)
     assert any((unclipped[k] - res["final"][k]).abs().max() > 1e-4 for k in unclipped)
+
+
+def test_bf16_mixed_matches_the_oracle_to_bf16_rounding(runs):
+    assert _by_prefix(runs, "bf16_")
+    for ws, case, res in _by_prefix(runs, "bf16_"):
+        check_bf16_against_oracle(case, res)
 
 
 def test_i3_noise_std_is_sigma_c_over_the_expected_batch(runs):
