@@ -33,25 +33,3 @@ def check_option(name: str, value: Any, options: Any, hint: str = "") -> Any:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; use one of {allowed}.{' ' + hint if hint else ''}")
     return value
-
-
-def check_clipping_options(clipping: Any, clipping_fn: Any, max_grad_norm: float, gamma: float,
-                           clipping_groups: Any, group_max_grad_norms: Any) -> None:
-    """Refuse a bad combination of the clipping settings of a DP strategy (the Trainer's and Fabric's).
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
-    from .per_sample.clipping import validate_clipping, validate_group_thresholds
-
-    validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
-    if clipping == "group-wise" and clipping_groups is None:
-        raise ValueError("clipping='group-wise' needs clipping_groups: lists of parameter-name patterns, e.g. "
-                         "[['encoder.*'], ['head.*']], or 'param_groups' (the optimizer's parameter groups).")
-    if clipping_groups is not None and clipping != "group-wise":
-        raise ValueError(f"clipping_groups is only used with clipping='group-wise', not {clipping!r}.")
-    if isinstance(clipping_groups, str):
-        check_option("clipping_groups", clipping_groups, Literal["param_groups"],
-                     "Or give lists of parameter-name patterns, e.g. [['encoder.*'], ['head.*']].")
-    if group_max_grad_norms is not None:
-        validate_group_thresholds(group_max_grad_norms, max_grad_norm)

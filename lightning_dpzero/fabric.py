@@ -30,11 +30,12 @@ from typing_extensions import override
 from . import _refusals
 from ._fabric_loop import FabricSteps, announce_draws
 from ._launch import FabricDeepSpeedLaunchMixin
-from ._options import Accountant, Clipping, ClippingFn, LossReduction, check_clipping_options, check_option
+from ._options import Accountant, Clipping, ClippingFn, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
+from .per_sample.clipping import validate_clipping, validate_clipping_groups
 from .per_sample.layout import reindex_batch
 from .privacy_plan import DEFAULT_DELTA, AccountingSettings
 from .strategy import DPDeepSpeedStrategy
@@ -98,7 +99,8 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
         if isinstance(clipping_groups, str):
             raise ValueError("clipping_groups='param_groups' is for the Trainer strategy; with Fabric give lists of "
                              "parameter-name patterns, e.g. [['encoder.*'], ['head.*']].")
-        check_clipping_options(clipping, clipping_fn, max_grad_norm, gamma, clipping_groups, group_max_grad_norms)
+        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
+        validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ._options import Accountant, Sampler, check_option
 from .accounting import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
+from .accounting.accountants import _check_delta
 
 DEFAULT_DELTA = 1e-5
 
@@ -37,7 +38,7 @@ class AccountingSettings:
         >>> AccountingSettings(delta=0.0)
         Traceback (most recent call last):
         ...
-        ValueError: delta must be in (0, 1), got 0.0; typical is 1e-5 or below 1/N.
+        ValueError: delta must be in (0, 1), got 0.0; typical is 1e-5 or below 1/N (e.g. 1/N**1.1 for N examples).
     """
 
     target_epsilon: Optional[float] = None
@@ -48,8 +49,7 @@ class AccountingSettings:
         eps = self.target_epsilon
         if eps is not None and not (eps > 0 and math.isfinite(eps)):
             raise ValueError(f"target_epsilon must be a finite number > 0, got {eps!r}.")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}; typical is 1e-5 or below 1/N.")
+        _check_delta(self.delta)
         check_option("accountant", self.accountant, Accountant)
 
 

@@ -27,10 +27,11 @@ from typing_extensions import override
 
 from . import _lightning_loop as _loop, _refusals
 from ._launch import DeepSpeedLaunchMixin
-from ._options import Clipping, ClippingFn, LossReduction, check_clipping_options, check_option
+from ._options import Clipping, ClippingFn, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
+from .per_sample.clipping import validate_clipping, validate_clipping_groups
 from .per_sample.layout import reindex_batch
 
 
@@ -103,11 +104,12 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: LossReduction = "mean", layout_check: bool = True, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
-        check_clipping_options(clipping, clipping_fn, max_grad_norm, gamma, clipping_groups, group_max_grad_norms)
+        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
         self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
                                      poisson_sampling=poisson_sampling)
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
+        validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
         self.layout_check = _refusals.warn_layout_check_off(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None

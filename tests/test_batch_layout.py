@@ -227,3 +227,61 @@ def test_time_first_model_is_refused_on_zero3_with_two_processes(tmp_path):
         run_cases([case], tmp_path, world_size=2, timeout=300)
     for rank in (0, 1):
         assert "layout check failed" in (tmp_path / f"rank{rank}.log").read_text()
+
+
+class _Packed(nn.Module):
+    """Embedding -> LSTM on packed sequences of unequal lengths (original order restored) -> GRU time-first."""
+
+    def __init__(self, mix=False):
+        super().__init__()
+        self.emb, self.lstm, self.gru = nn.Embedding(13, 4), nn.LSTM(4, 4, batch_first=True), nn.GRU(4, 4)
+        self.head, self.mix = nn.Linear(4, 3), mix
+
+    def forward(self, x):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        h = self.emb(x)
+        packed = pack_padded_sequence(h, (x != 0).sum(1).clamp_min(1), batch_first=True, enforce_sorted=False)
+        h = pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+        h = h.transpose(0, 1)  # (T, B, d), as the GRU (batch_first=False) expects
+        if self.mix:  # a statistic over the batch before the GRU: per-example gradients do not exist
+            h = h - h.mean(1, keepdim=True)
+        return self.head(self.gru(h, torch.zeros(1, x.shape[0], 4))[0][-1])
+
+
+class _Bags(nn.Module):
+    """EmbeddingBag on 1-D indices with offsets (bags of unequal lengths) and per-sample weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(13, 4, mode="sum"), nn.Linear(4, 3)
+
+    def forward(self, x):
+        lengths = (x != 0).sum(1)
+        keep = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        return self.head(self.bag(x[keep], offsets, per_sample_weights=x[keep].float() / 13))
+
+
+def _ragged_tokens(b, T=6):
+    x = torch.randint(1, 13, (b, T))
+    x[torch.arange(T) >= torch.randint(1, T + 1, (b, 1))] = 0
+    return x
+
+
+@pytest.mark.parametrize("b", [2, 6])  # b == T: the GRU's time-first input has T == B
+def test_rnn_and_bag_layouts_are_read_through_their_rules(b):
+    """An RNN's input is compared batch first (time-first GRU input, packed LSTM sequences, the initial state)
+    and an EmbeddingBag's 1-D indices bag by bag: these per-example models pass; without the rules' view the
+    check refused them as time-first / not batch first."""
+    torch.manual_seed(1)
+    for model in (_Packed(), _Bags()):
+        x = _ragged_tokens(b)
+        assert _check(model, x, torch.randint(0, 3, (b,)))
+
+
+def test_an_rnn_fed_a_mixed_batch_is_still_refused():
+    torch.manual_seed(1)
+    x = _ragged_tokens(4)
+    with pytest.raises(UnsupportedLayerError, match="GRU 'gru': row i of its input depends on other examples"):
+        _check(_Packed(mix=True), x, torch.randint(0, 3, (4,)))

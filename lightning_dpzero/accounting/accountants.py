@@ -28,14 +28,15 @@ import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
+from typing import Iterable, Optional, get_args
 
 import dp_accounting
 
+from .._options import Accountant
 from . import pld as _pld
 from .rdp import rdp_epsilon
 
-ACCOUNTANTS = ("pld", "rdp")
+ACCOUNTANTS = get_args(Accountant)  # ("pld", "rdp")
 
 Run = tuple  # (sample_rate: float, noise_multiplier: float, steps: int)
 
@@ -47,9 +48,11 @@ def _check_accountant(name: str) -> str:
 
 
 def _check_delta(delta: float) -> float:
+    """``delta`` as a float; ``ValueError`` unless 0 < δ < 1 (the one check of δ in the package)."""
     delta = float(delta)
     if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}; use e.g. 1/N**1.1 for N examples.")
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}; typical is 1e-5 or below 1/N "
+                         "(e.g. 1/N**1.1 for N examples).")
     return delta
 
 

@@ -112,7 +112,7 @@ class PrivacyLedger:
         >>> ledger.charge(sample_rate=256 / 60_000, noise_multiplier=1.1, steps=700)
         >>> ledger.charge(sample_rate=256 / 60_000, noise_multiplier=1.1)  # merges into the same entry
         >>> ledger.steps, len(ledger.entries), round(ledger.epsilon(), 2)
-        (701, 1, 0.51)
+        (701, 1, 0.5)
         >>> PrivacyLedger.from_json(ledger.to_json()) == ledger  # the hash chain is verified when read
         True
     """

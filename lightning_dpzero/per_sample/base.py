@@ -110,6 +110,17 @@ class LayerRule:
             return None
         return x.shape[0], 0
 
+    def layout_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list:
+        """The tensor arguments of one call ``module(*args, **kwargs)`` as the layout check compares them
+        (``layout.py``): each either a tensor whose first dimension is the batch (or that no example owns: a
+        mask), or a list of B tensors, example i's part of a ragged input. Default: every tensor of ``args``
+        and ``kwargs`` as given. An RNN answers its input batch first (a ``PackedSequence`` as its B
+        sequences in the batch's order) and its initial state batch first; an ``EmbeddingBag`` given offsets
+        answers its bags."""
+        from torch.utils._pytree import tree_flatten
+
+        return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+
     def params(self, module: nn.Module) -> list[Optional[torch.Tensor]]:
         """The module's parameters in ``param_names`` order (``None`` for an absent one)."""
         return [getattr(module, n, None) for n in self.param_names]

@@ -11,25 +11,39 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from typing import Literal
 
 import torch
 
-CLIPPING_FUNCTIONS = ("abadi", "automatic")
-CLIPPING_STYLES = ("all-layer", "layer-wise", "group-wise")
+from .._options import Clipping, ClippingFn, check_option
 
 
 def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float) -> None:
     """Raise ``ValueError`` naming the bad setting and the allowed values."""
-    if clipping not in CLIPPING_STYLES:
-        raise ValueError(f"clipping={clipping!r} is not supported; use one of {CLIPPING_STYLES}.")
-    if clipping_fn not in CLIPPING_FUNCTIONS:
-        raise ValueError(f"clipping_fn={clipping_fn!r} is not supported; use one of {CLIPPING_FUNCTIONS}.")
+    check_option("clipping", clipping, Clipping)
+    check_option("clipping_fn", clipping_fn, ClippingFn)
     if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm (C) must be > 0 (math.inf disables clipping), got {max_grad_norm!r}.")
     if not gamma > 0:
         raise ValueError(f"automatic clipping needs gamma > 0, got {gamma!r}.")
     if clipping_fn == "automatic" and math.isinf(max_grad_norm):
         raise ValueError("clipping_fn='automatic' needs a finite max_grad_norm; use 'abadi' with C=inf to disable.")
+
+
+def validate_clipping_groups(clipping: str, clipping_groups, group_max_grad_norms, max_grad_norm: float) -> None:
+    """Refuse ``clipping_groups`` without ``clipping="group-wise"`` (or the reverse), a string other than
+    ``"param_groups"``, and group thresholds above ``max_grad_norm`` (:func:`validate_group_thresholds`).
+    Raises ``ValueError`` with the fix."""
+    if clipping == "group-wise" and clipping_groups is None:
+        raise ValueError("clipping='group-wise' needs clipping_groups: lists of parameter-name patterns, e.g. "
+                         "[['encoder.*'], ['head.*']], or 'param_groups' (the optimizer's parameter groups).")
+    if clipping_groups is not None and clipping != "group-wise":
+        raise ValueError(f"clipping_groups is only used with clipping='group-wise', not {clipping!r}.")
+    if isinstance(clipping_groups, str):
+        check_option("clipping_groups", clipping_groups, Literal["param_groups"],
+                     "Or give lists of parameter-name patterns, e.g. [['encoder.*'], ['head.*']].")
+    if group_max_grad_norms is not None:
+        validate_group_thresholds(group_max_grad_norms, max_grad_norm)
 
 
 def validate_group_thresholds(thresholds, max_grad_norm: float) -> None:

@@ -70,6 +70,14 @@ class EmbeddingBagRule(LayerRule):
             return idx.shape[0], 0
         return offsets.numel() - int(module.include_last_offset), None
 
+    def layout_inputs(self, module, args, kwargs):
+        idx, offsets, psw = _call(module, args[0], (args[1:], kwargs))
+        if idx.dim() == 2:
+            return [t for t in (idx, psw) if t is not None]
+        ends = offsets.tolist()[1:] if module.include_last_offset else [*offsets.tolist()[1:], idx.numel()]
+        bags = [(int(a), int(b)) for a, b in zip(offsets.tolist(), ends)]  # example i is bag i
+        return [[t[a:b] for a, b in bags] for t in (idx, psw) if t is not None]
+
     def bind(self, module, x, args, kwargs):
         return _call(module, x, (args, kwargs)), {}
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
@@ -78,8 +79,7 @@ class PerSampleEngine:
                  groups: Optional[Sequence[GroupSpec]] = None,
                  group_max_grad_norms: Optional[Sequence[float]] = None):
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
+        check_option("loss_reduction", loss_reduction, LossReduction)
         self.module, self.max_grad_norm, self.clipping = module, float(max_grad_norm), clipping
         self.clipping_fn, self.gamma, self.loss_reduction = clipping_fn, gamma, loss_reduction
         self._group_spec, self._group_norms = groups, group_max_grad_norms

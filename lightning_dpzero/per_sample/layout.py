@@ -34,8 +34,6 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
-
 from .base import UnsupportedLayerError
 from .parameters import ParameterHook
 
@@ -72,10 +70,10 @@ class _Rows:
     """A tensor summarised per row (along dimension ``dim``): exact values for integers, else norms and random
     projections in float64."""
 
-    __slots__ = ("shape", "exact", "norms", "proj", "tol")
+    __slots__ = ("shape", "exact", "norms", "proj", "tol", "lengths")
 
     def __init__(self, t: torch.Tensor, dim: int, vectors: "_Vectors"):
-        self.shape = tuple(t.shape)
+        self.shape, self.lengths = tuple(t.shape), None
         t = t.detach().movedim(dim, 0)
         self.exact = None if t.is_floating_point() else t.clone()
         self.tol = TOL if t.dtype in (torch.float32, torch.float64) else HALF_TOL
@@ -87,10 +85,34 @@ class _Rows:
             self.norms = torch.cat([p.norm(dim=1) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
             self.proj = torch.cat([p @ v for p in parts]) if parts else torch.zeros(0, PROJECTIONS, dtype=torch.float64)
 
+    @classmethod
+    def ragged(cls, rows: list, vectors: "_Vectors") -> "_Rows":
+        """Rows of unequal lengths (a ragged input: example i's sequence or bag), each summarised alone."""
+        self = cls.__new__(cls)
+        flat = [r.detach().reshape(-1) for r in rows]
+        self.shape, self.lengths = (len(flat), "ragged"), torch.tensor([r.numel() for r in flat])
+        floating = bool(flat) and flat[0].is_floating_point()
+        self.exact = None if floating or not flat else [r.clone() for r in flat]
+        self.tol = TOL if not flat or flat[0].dtype in (torch.float32, torch.float64) else HALF_TOL
+        if not flat:
+            self.exact = []
+        elif floating:
+            self.norms = torch.stack([r.double().norm() for r in flat])
+            self.proj = torch.stack([r.double() @ vectors.get(r.numel(), r.device) for r in flat])
+        return self
+
     def matches(self, other: "_Rows", index: Optional[torch.Tensor] = None) -> bool:
         """Whether ``other`` holds this tensor's rows ``index`` (``None``: the same rows)."""
         if other is None or other.shape != self.shape:
             return False
+        if self.lengths is not None:
+            mine = self.lengths if index is None else self.lengths[index]
+            if not torch.equal(mine, other.lengths):
+                return False
+        if isinstance(self.exact, list):
+            order = range(len(self.exact)) if index is None else index.tolist()
+            return isinstance(other.exact, list) and all(torch.equal(self.exact[i], o)
+                                                         for i, o in zip(order, other.exact))
         if self.exact is not None:
             mine = self.exact if index is None else self.exact[index.to(self.exact.device)]
             return other.exact is not None and torch.equal(mine, other.exact)
@@ -126,9 +148,11 @@ class _Recorder:
         self.b, self.vectors, self.calls = b, vectors, []
 
     def record(self, hook, args: tuple, kwargs: dict) -> None:
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
         rows = []
-        for t in leaves:
+        for t in hook.rule.layout_inputs(hook.module, args, kwargs):
+            if isinstance(t, list):  # a ragged input: one tensor per example
+                rows.append((_Rows.ragged(t, self.vectors), None))
+                continue
             by_batch = _Rows(t, 0, self.vectors)
             time_first = _Rows(t, 1, self.vectors) if t.dim() >= 2 and t.shape[1] == self.b else None
             rows.append((by_batch, time_first))

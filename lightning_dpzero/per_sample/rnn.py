@@ -43,7 +43,7 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import _VF, nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, unpack_sequence
 
 from .base import Inputs, LayerRule, UnsupportedLayerError
 from .maths import param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad, weighted_sum
@@ -146,6 +146,16 @@ class RNNRule(LayerRule):
             f"{type(module).__name__} received an input of shape {tuple(getattr(x, 'shape', ()))}; per-example "
             "clipping needs a batched input: (B, T, features) with batch_first=True, (T, B, features) with "
             "batch_first=False, or a PackedSequence.")
+
+    def layout_inputs(self, module, args, kwargs):
+        a = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
+        x, hx = a["input"], a.get("hx")
+        if isinstance(x, PackedSequence):
+            x = list(unpack_sequence(x))  # the B sequences, in the batch's order
+        elif not module.batch_first:
+            x = x.movedim(1, 0)
+        states = () if hx is None else (hx if isinstance(hx, tuple) else (hx,))
+        return [x, *(h.movedim(1, 0) for h in states)]  # a state is (layers x directions, B, H)
 
     # ------------------------------------------------------------------ the call
     def bind(self, module, x, args, kwargs):
