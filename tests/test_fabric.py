@@ -184,3 +184,12 @@ def test_a_loader_set_up_before_the_model_is_refused():
     fabric.launch()
     with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\) first"):
         fabric.setup_dataloaders(DataLoader(_data(), batch_size=8))
+
+
+def test_an_update_without_the_noise_hook_stops_training():
+    # Fabric steps DeepSpeed's optimizer itself (engine.was_step_applied() stays False): the check that the noise
+    # ran must still see the step as applied
+    fabric, model, optimizer, loader = _setup_all()
+    fabric.strategy.mechanism._noise_handle.remove()
+    with pytest.raises(RuntimeError, match="without the DP noise hook"):
+        _step(fabric, model, optimizer, next(iter(loader)))
