@@ -169,16 +169,12 @@ def train_plain(args: argparse.Namespace) -> float:
     return float(trainer.callback_metrics["test_acc"])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_dp_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The settings of a DP run on the digits (shared with examples/fabric_digits.py)."""
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128, help="per-device micro-batch (expected)")
     p.add_argument("--lr", type=float, default=2.0)
-    p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="C, per-example clipping bound")
-    p.add_argument("--clipping", default="layer-wise", choices=["layer-wise", "all-layer"])
-    p.add_argument("--clipping-fn", default="abadi", choices=["abadi", "automatic"])
     p.add_argument("--target-epsilon", type=float, default=8.0)
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--noise-multiplier", type=float, default=None,
@@ -186,6 +182,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = add_dp_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--clipping", default="layer-wise", choices=["layer-wise", "all-layer"])
+    p.add_argument("--clipping-fn", default="abadi", choices=["abadi", "automatic"])
     p.add_argument("--compare", action="store_true", help="also train without DP and print its accuracy")
     p.add_argument("--compare-epochs", type=int, default=10)
     return p.parse_args(argv)

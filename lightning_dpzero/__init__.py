@@ -1,8 +1,9 @@
 """lightning-dpzero: differentially private training for any LightningModule on DeepSpeed ZeRO 0–3.
 
 Importing the package registers the strategies ``dp_deepspeed``, ``dp_deepspeed_stage_{0,1,2,3}`` and
-``dp_deepspeed_stage_{2,3}_offload`` with Lightning: at once if Lightning is already imported, else as soon as
-``lightning.pytorch`` is, so ``Trainer(strategy="dp_deepspeed_stage_3")`` finds them either way. The public
+``dp_deepspeed_stage_{2,3}_offload`` with Lightning's Trainer and, the same names, with Lightning Fabric: at once if Lightning is already imported, else as soon as
+``lightning.pytorch`` (``lightning.fabric``) is, so ``Trainer(strategy="dp_deepspeed_stage_3")`` and
+``Fabric(strategy="dp_deepspeed_stage_3")`` find them either way. The public
 names are imported when first used (PEP 562), so that reading a ledger (``from lightning_dpzero import
 PrivacyLedger``, ``lightning-dpzero ledger ...``) does not import Lightning, DeepSpeed or torch.
 """
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     "DPDeepSpeedStrategy": "strategy",
+    "DPFabricStrategy": "fabric",
     "PrivacyAccountantCallback": "callback",
     "PrivacyBudgetExceeded": "accounting",
     "PrivacyLedger": "accounting",
@@ -27,7 +29,7 @@ _EXPORTS = {
     "UnsupportedLayerError": "per_sample",
     "DistributedPoissonBatchSampler": "sampling",
 }
-__all__ = ["DPDeepSpeedStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
+__all__ = ["DPDeepSpeedStrategy", "DPFabricStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
            "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier"]
 
 
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from .callback import PrivacyAccountantCallback
     from .per_sample import PerSampleEngine, UnsupportedLayerError
     from .sampling import DistributedPoissonBatchSampler
+    from .fabric import DPFabricStrategy
     from .strategy import DPDeepSpeedStrategy
 
 register_strategies_with_lightning()

@@ -1,9 +1,9 @@
 """What the DP pieces need from the processes of a run, and the gathers built on it.
 
 :class:`Collectives` is the small interface the mechanism and the checkpoint protocol use to talk to the other
-ranks. Every Lightning strategy satisfies it as it is (the Trainer's ``lightning.pytorch`` strategies and
-Fabric's ``lightning.fabric`` ones alike), so neither needs a Trainer; :class:`SingleProcess` is the one for a
-loop in plain PyTorch (the audit).
+ranks. Every Trainer strategy (``lightning.pytorch``) satisfies it as it is, and
+:class:`~lightning_dpzero.DPFabricStrategy` does by naming Fabric's ``all_reduce`` ``reduce``, so neither needs a
+Trainer; :class:`SingleProcess` is the one for a loop in plain PyTorch (the audit).
 """
 
 from __future__ import annotations

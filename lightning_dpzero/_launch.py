@@ -1,10 +1,11 @@
-"""What ``DPDeepSpeedStrategy`` changes in how Lightning starts DeepSpeed: the CPU (gloo) and the ranks given by
+"""What the DP strategies change in how Lightning starts DeepSpeed: the CPU (gloo) and the ranks given by
 DeepSpeed's own launcher (docs/design.md, *Layout*).
 
-Lightning's ``DeepSpeedStrategy`` refuses a CPU accelerator and passes ``device_rank=None`` to
-``deepspeed.initialize`` there; DeepSpeed itself runs on the CPU with gloo. Five overrides: the environment and
-the process group on the CPU, the global rank under DeepSpeed's launcher, and a CPU device index for the two
-``deepspeed.initialize`` calls (training, and validate/test/predict).
+Lightning's ``DeepSpeedStrategy`` (the Trainer's and Fabric's alike) refuses a CPU accelerator and passes
+``device_rank=None`` to ``deepspeed.initialize`` there; DeepSpeed itself runs on the CPU with gloo. The overrides:
+the environment and the process group on the CPU, the global rank under DeepSpeed's launcher, and a CPU device
+index for the ``deepspeed.initialize`` calls. :class:`DeepSpeedLaunchMixin` is the Trainer's,
+:class:`FabricDeepSpeedLaunchMixin` Fabric's (whose hooks have other names).
 """
 
 from __future__ import annotations
@@ -13,13 +14,48 @@ import contextlib
 import os
 
 import torch
+from lightning.fabric.accelerators import CUDAAccelerator as FabricCUDAAccelerator
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from typing_extensions import override
 
 
+def _node_rank_from_launcher() -> None:
+    # DeepSpeed's own launcher (``deepspeed --hostfile``) names a process's node CROSS_RANK; Lightning reads
+    # only NODE_RANK / GROUP_RANK and would put every node's first process at global rank 0 (a hang).
+    if "CROSS_RANK" in os.environ and not {"NODE_RANK", "GROUP_RANK"} & os.environ.keys():
+        os.environ["NODE_RANK"] = os.environ["CROSS_RANK"]
+
+
+def _check_launcher_rank(strategy, settings: str) -> None:
+    env = strategy.cluster_environment
+    launched = env is not None and env.creates_processes_externally
+    if launched and "RANK" in os.environ and int(os.environ["RANK"]) != strategy.global_rank:
+        raise ValueError(
+            f"The launcher started this process as RANK={os.environ['RANK']}, but Lightning computes global "
+            f"rank {strategy.global_rank} from node rank {strategy.node_rank}, local rank {strategy.local_rank} and "
+            f"{strategy.num_processes} devices per node. Poisson sampling shards by global rank, so the ranks must "
+            f"agree: set {settings}(num_nodes=..., devices=...) to the launcher's nodes and processes per node "
+            "(and NODE_RANK where the launcher does not set it).")
+
+
+@contextlib.contextmanager
+def _cpu_device_indices(strategy, on_cuda: bool):
+    """Lightning passes ``device_rank=root_device.index`` to ``deepspeed.initialize``; a CPU device has no
+    index (None), which DeepSpeed cannot compare. For that call the CPU devices carry their local ranks."""
+    if on_cuda or strategy.parallel_devices is None:
+        yield
+        return
+    saved = strategy.parallel_devices
+    strategy.parallel_devices = [torch.device("cpu", i) for i in range(len(saved))]
+    try:
+        yield
+    finally:
+        strategy.parallel_devices = saved
+
+
 class DeepSpeedLaunchMixin:
-    """Mixed into a ``DeepSpeedStrategy`` subclass (before it in the bases)."""
+    """Mixed into a Trainer ``DeepSpeedStrategy`` subclass (before it in the bases)."""
 
     @override
     def setup_environment(self) -> None:
@@ -38,34 +74,12 @@ class DeepSpeedLaunchMixin:
 
     @override
     def set_world_ranks(self) -> None:
-        # DeepSpeed's own launcher (``deepspeed --hostfile``) names a process's node CROSS_RANK; Lightning reads
-        # only NODE_RANK / GROUP_RANK and would put every node's first process at global rank 0 (a hang).
-        if "CROSS_RANK" in os.environ and not {"NODE_RANK", "GROUP_RANK"} & os.environ.keys():
-            os.environ["NODE_RANK"] = os.environ["CROSS_RANK"]
+        _node_rank_from_launcher()
         super().set_world_ranks()
-        env = self.cluster_environment
-        launched = env is not None and env.creates_processes_externally
-        if launched and "RANK" in os.environ and int(os.environ["RANK"]) != self.global_rank:
-            raise ValueError(
-                f"The launcher started this process as RANK={os.environ['RANK']}, but Lightning computes global "
-                f"rank {self.global_rank} from node rank {self.node_rank}, local rank {self.local_rank} and "
-                f"{self.num_processes} devices per node. Poisson sampling shards by global rank, so the ranks must "
-                "agree: set Trainer(num_nodes=..., devices=...) to the launcher's nodes and processes per node "
-                "(and NODE_RANK where the launcher does not set it).")
+        _check_launcher_rank(self, "Trainer")
 
-    @contextlib.contextmanager
     def _cpu_device_indices(self):
-        """Lightning passes ``device_rank=root_device.index`` to ``deepspeed.initialize``; a CPU device has no
-        index (None), which DeepSpeed cannot compare. For that call the CPU devices carry their local ranks."""
-        if isinstance(self.accelerator, CUDAAccelerator) or self.parallel_devices is None:
-            yield
-            return
-        saved = self.parallel_devices
-        self.parallel_devices = [torch.device("cpu", i) for i in range(len(saved))]
-        try:
-            yield
-        finally:
-            self.parallel_devices = saved
+        return _cpu_device_indices(self, isinstance(self.accelerator, CUDAAccelerator))
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
@@ -77,3 +91,38 @@ class DeepSpeedLaunchMixin:
         with self._cpu_device_indices():
             return super()._initialize_deepspeed_inference(model)
 
+
+class FabricDeepSpeedLaunchMixin:
+    """Mixed into a Fabric ``DeepSpeedStrategy`` subclass (before it in the bases)."""
+
+    @override
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, FabricCUDAAccelerator):
+            return super().setup_environment()
+        from lightning.fabric.strategies.ddp import DDPStrategy as FabricDDPStrategy
+
+        FabricDDPStrategy.setup_environment(self)  # skip the CUDA-only check; calls _setup_distributed
+
+    @override
+    def _setup_distributed(self) -> None:
+        if isinstance(self.accelerator, FabricCUDAAccelerator):
+            return super()._setup_distributed()
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()  # (the CUDA path's device-index check does not apply to CPU devices, which have none)
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True
+
+    @override
+    def _set_world_ranks(self) -> None:
+        _node_rank_from_launcher()
+        super()._set_world_ranks()
+        _check_launcher_rank(self, "Fabric")
+
+    @override
+    def _initialize_engine(self, model, optimizer=None, scheduler=None):
+        with _cpu_device_indices(self, isinstance(self.accelerator, FabricCUDAAccelerator)):
+            return super()._initialize_engine(model, optimizer, scheduler)

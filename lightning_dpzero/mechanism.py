@@ -299,6 +299,12 @@ class DPMechanism:
             out = run()
         return self.check_finite_loss(_zero_loss(out), step, epoch)
 
+    def micro_batch_loss(self, loss: Any, batch_size: Optional[int], *, step: Optional[int] = None) -> Any:
+        """What :meth:`training_step` does after ``run()``, for a driver whose user computes the loss outside a
+        ``training_step`` (a Fabric loop: the engine was told of the micro-batch before its forward): an empty
+        Poisson batch's loss (NaN, a mean over no examples) becomes 0, then :meth:`check_finite_loss`."""
+        return self.check_finite_loss(_zero_loss(loss) if batch_size == 0 else loss, step)
+
     def check_layout(self, rerun: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int], *,
                      module: Any = None) -> bool:
         """The engine's layout check (:meth:`PerSampleEngine.check_layout`) over the run's ranks, ``module``'s

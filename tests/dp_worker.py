@@ -149,12 +149,13 @@ def run_case(case, out_dir, devices):
                    os.path.join(out_dir, f"{name}.pt"))
 
 
-def main():
+def main(run=None):
+    """Run every case of the JSON list ``argv[1]`` with ``run`` (default :func:`run_case`), writing to ``argv[2]``."""
     cases = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
     devices = int(os.environ.get("WORLD_SIZE", "1"))
     for case in cases:
-        run_case(case, out_dir, devices)
+        (run or run_case)(case, out_dir, devices)
         torch.distributed.barrier() if torch.distributed.is_initialized() else None
 
 

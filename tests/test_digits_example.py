@@ -22,23 +22,24 @@ RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", 
               "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-def _run(args, timeout):
+def _run(args, timeout, example=EXAMPLE):
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     env["PYTHONWARNINGS"] = "ignore"
-    return subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, str(example), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def run_digits(*args: str, timeout: float = 300) -> dict:
-    proc = _run(args, timeout)
+def run_digits(*args: str, timeout: float = 300, example: Path = EXAMPLE) -> dict:
+    """Run ``example`` (default examples/digits.py) with ``args``; its final line's numbers and its stdout."""
+    proc = _run(args, timeout, example)
     if proc.returncode != 0:
         # Rarely (about 1 run in 40, only seen with other multi-process jobs loading the machine) a 2-process
         # gloo run dies at exit ("terminate called without an active exception") or loses its peer. Try once
         # more, and keep the first failure visible as a warning.
         first = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        proc = _run(args, timeout)
+        proc = _run(args, timeout, example)
         if proc.returncode == 0:
-            warnings.warn(f"examples/digits.py {' '.join(args)} failed once, then passed:\n{first}")
+            warnings.warn(f"{example.name} {' '.join(args)} failed once, then passed:\n{first}")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     lines = proc.stdout.strip().splitlines()
     match = FINAL.match(lines[-1]) if lines else None

@@ -119,11 +119,16 @@ def test_overridden_lightning_methods_say_so():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
-    from lightning_dpzero._launch import DeepSpeedLaunchMixin
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+
+    from lightning_dpzero import DPFabricStrategy
+    from lightning_dpzero._launch import DeepSpeedLaunchMixin, FabricDeepSpeedLaunchMixin
     from lightning_dpzero.metrics import PrivacyRunLogger
 
     missing = []
     for cls, base in ((DPDeepSpeedStrategy, DeepSpeedStrategy), (DeepSpeedLaunchMixin, DeepSpeedStrategy),
+                      (DPFabricStrategy, FabricDeepSpeedStrategy),
+                      (FabricDeepSpeedLaunchMixin, FabricDeepSpeedStrategy),
                       (PrivacyAccountantCallback, Callback), (PrivacyRunLogger, Callback)):
         for name, attr in vars(cls).items():
             if name.startswith("__") or not hasattr(base, name):

@@ -1,0 +1,145 @@
+"""Where a Fabric loop meets the DP step: which call may come next, the draws of the private loader, the budget
+and the privacy metrics of every step (docs/design.md, *Where each piece runs*: Fabric).
+
+A Fabric user writes the loop, so nothing guarantees what a Lightning ``Trainer`` guarantees by construction:
+one Poisson draw per optimizer step, one forward and one backward per draw. :class:`FabricSteps` follows the
+calls and refuses, before anything of the step is applied, a training forward whose batch was not the one
+drawn from the private loader since the last step, a second forward or backward within a step, a step without
+backward, and a step beyond the privacy budget. After each step one all-reduce agrees on the budget (rank 0
+decides) and sums the clipping statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
+
+_LOOP = ("The loop of a DP Fabric run is, per optimizer step: draw one batch from the loader that "
+         "fabric.setup_dataloaders returned, one training forward of the model, fabric.backward(loss), "
+         "optimizer.step() (then optimizer.zero_grad()).")
+
+
+def _announcing_iter(loader):
+    for batch in super(type(loader), loader).__iter__():
+        loader._dp_steps.drawn(batch)
+        yield batch
+
+
+def announce_draws(loader: DataLoader, steps: "FabricSteps") -> DataLoader:
+    """``loader`` itself, its class extended so that each batch it yields is counted (a draw of the sampler):
+    Fabric wraps what the strategy returns, so the count must live in the loader."""
+    loader.__class__ = type(f"DP{type(loader).__name__}", (type(loader),), {"__iter__": _announcing_iter})
+    loader._dp_steps = steps
+    return loader
+
+
+class FabricSteps:
+    """The state of the step being built: ``ready`` (a batch may be drawn and forwarded), ``forward`` (the
+    training forward ran; backward next), ``backward`` (``optimizer.step()`` next)."""
+
+    def __init__(self, mechanism, target_epsilon: Optional[float]) -> None:
+        self.mechanism = mechanism
+        self.target_epsilon = target_epsilon
+        self.phase = "ready"
+        self.draws = 0
+        self.batch_size: Optional[int] = None
+        self.fit_started = False
+        self.taken = 0  # optimizer steps taken (charged), over the run's lineage (restored with a checkpoint)
+        self.tracker = EpsilonTracker()
+        self.guard = BudgetGuard(target_epsilon, self.tracker) if target_epsilon is not None else None
+        self.next_step_allowed = True
+        self.metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the calls of the user's loop
+    def drawn(self, batch: Any) -> None:
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        self.draws += 1
+        try:
+            self.batch_size = extract_batch_size(batch)
+        except Exception:  # noqa: BLE001 - no tensor found: each layer reads B from its input
+            self.batch_size = None
+
+    def before_forward(self) -> None:
+        """A training forward (module in training mode, gradients on) is about to run."""
+        if self.mechanism.plan is None:
+            raise RuntimeError(
+                "A training forward ran before the training DataLoader was set up: pass it through "
+                "fabric.setup_dataloaders(train_loader) first (the DP strategy replaces its sampler by Poisson "
+                "sampling and fixes the privacy plan and the ledger from it). Nothing was trained.")
+        if not self.next_step_allowed:
+            raise PrivacyBudgetExceeded(self.exhausted_message() + " Refusing the step (check "
+                                        "fabric.strategy.should_stop after each optimizer.step()).")
+        if self.phase != "ready":
+            raise RuntimeError(
+                f"A second training forward of the model {'before fabric.backward' if self.phase == 'forward' else 'before optimizer.step()'}: "
+                "each optimizer step of DP training releases one Poisson-sampled batch, clipped per example "
+                "over one forward and one backward (several forwards or gradient accumulation in the loop are "
+                f"not supported; use a larger batch_size). {_LOOP}")
+        if self.draws != 1:
+            got = "no batch" if self.draws == 0 else f"{self.draws} batches"
+            raise RuntimeError(
+                f"{got} drawn from the DP loader since the last optimizer step: every step must train on exactly "
+                "the one Poisson-sampled batch drawn for it (data from elsewhere, or skipped draws, are not what "
+                f"the privacy ledger charges). Nothing of this step was applied. {_LOOP}")
+        self.phase = "forward"
+
+    def before_backward(self) -> None:
+        if self.phase != "forward":
+            raise RuntimeError(
+                "fabric.backward was called " + ("twice for one training forward" if self.phase == "backward"
+                                                 else "without a training forward of the model before it (in "
+                                                      "training mode, with gradients on)")
+                + f". {_LOOP}")
+        self.phase = "backward"
+
+    def before_step(self, kwargs: dict) -> None:
+        if "closure" in kwargs:
+            raise ValueError("optimizer.step(closure) is not supported with DeepSpeed; call fabric.backward(loss) "
+                             "and then optimizer.step().")
+        if self.phase != "backward":
+            raise RuntimeError(f"optimizer.step() without fabric.backward(loss) since the last step. {_LOOP}")
+
+    def after_step(self) -> None:
+        self.phase, self.draws, self.taken = "ready", 0, self.taken + 1
+
+    # ------------------------------------------------------------------ budget and metrics
+    def exhausted_message(self) -> str:
+        ledger, plan = self.mechanism.ledger, self.mechanism.plan
+        after = self.guard.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier,
+                                                   plan.sampler_kind)
+        return (f"Privacy budget exhausted: after {ledger.steps} optimizer steps one more step (q = "
+                f"{plan.sample_rate:.6g}, σ = {plan.noise_multiplier:.6g}) would make ε = {after:.6g} > "
+                f"target_epsilon = {self.target_epsilon:g} (δ = {ledger.delta:g}).")
+
+    def decide(self, collectives, device: torch.device, stats: Optional[tuple] = None) -> None:
+        """Agree whether the next step fits the budget (rank 0 evaluates it: every rank holds the same ledger)
+        and, after a step, sum its clipping statistics, in one all-reduce; set :attr:`metrics`."""
+        mechanism = self.mechanism
+        ledger, plan = mechanism.ledger, mechanism.plan
+        if ledger is None or plan is None:
+            return
+        rank0 = collectives.global_rank == 0
+        refuse = eps = 0.0
+        if rank0:
+            refuse = float(self.guard is not None and not self.guard.allows_next_step(
+                ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind))
+            eps = 0.0 if ledger.steps == 0 else (
+                self.guard.epsilon_upper_bound(ledger) if self.guard is not None
+                else self.tracker.epsilon(ledger, exact=False))
+        local = [float(v) for v in (stats or (0, 0, 0.0))] + [refuse, eps]
+        values = torch.tensor(local, dtype=torch.float64, device=device)
+        if collectives.world_size > 1:
+            values = collectives.reduce(values, reduce_op="sum")
+        examples, clipped, norm_sum, refuse, eps = values.cpu().tolist()
+        self.next_step_allowed = refuse == 0
+        self.metrics = {"epsilon": eps, "delta": ledger.delta, "noise_multiplier": plan.noise_multiplier,
+                        "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
+        if examples:
+            self.metrics["clip_fraction"] = clipped / examples
+            self.metrics["mean_grad_norm"] = norm_sum / examples if math.isfinite(norm_sum) else norm_sum

@@ -1,0 +1,195 @@
+"""``DPFabricStrategy`` in one process: the registry, a natural loop, and every refusal of a loop that would not
+release exactly one charged Poisson batch per optimizer step (before anything of that step is applied). The
+invariants on 1 and 2 processes, ZeRO 0-3, are in test_fabric_invariants.py."""
+
+import math
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dpzero  # noqa: F401  (registers the strategies)
+from lightning_dpzero import DPFabricStrategy, PrivacyBudgetExceeded
+
+
+def _data(n=64):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _setup(strategy="dp_deepspeed_stage_2", **configure):
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.strategy.configure(**configure)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    return fabric, model, optimizer
+
+
+def _setup_all(strategy=None, batch_size=8, **kw):
+    strategy = strategy or DPFabricStrategy(stage=2, noise_multiplier=1.0, **kw)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(_data(), batch_size=batch_size))
+    return fabric, model, optimizer, loader
+
+
+def _step(fabric, model, optimizer, batch):
+    x, y = batch
+    fabric.backward(nn.functional.cross_entropy(model(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_the_names_are_registered_with_fabric():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    for stage in (0, 1, 2, 3):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=f"dp_deepspeed_stage_{stage}")
+        assert isinstance(fabric.strategy, DPFabricStrategy) and fabric.strategy.zero_stage == stage
+    assert "dp_deepspeed_stage_3_offload" in STRATEGY_REGISTRY
+
+
+def test_a_natural_loop_charges_one_step_per_optimizer_step_and_logs_epsilon():
+    fabric, model, optimizer, loader = _setup_all()
+    sampler = loader.batch_sampler
+    assert type(sampler).__name__ == "DistributedPoissonBatchSampler" and sampler.sample_rate == 8 / 64
+    for i, batch in enumerate(loader):
+        _step(fabric, model, optimizer, batch)
+        metrics = fabric.strategy.privacy_metrics
+        assert metrics["dp_steps"] == i + 1 == fabric.strategy.ledger.steps
+        assert 0 < metrics["epsilon"] and metrics["epsilon"] >= fabric.strategy.epsilon()
+        assert metrics["noise_multiplier"] == 1.0 and metrics["sample_rate"] == 0.125
+    assert fabric.strategy.ledger.steps == len(loader) == 8
+    # evaluation forwards are no DP steps and need no draw
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(3, 4))
+    assert fabric.strategy.ledger.steps == 8
+
+
+def test_the_string_strategy_is_configured_before_the_loader():
+    fabric, model, optimizer = _setup(target_epsilon=4.0, max_epochs=2)
+    loader = fabric.setup_dataloaders(DataLoader(_data(), batch_size=8))
+    plan = fabric.strategy.plan
+    assert plan.planned_steps == 16 and plan.noise_multiplier > 0  # σ calibrated to ε = 4 over 2 epochs
+    with pytest.raises(RuntimeError, match="configure.. after fabric.setup_dataloaders"):
+        fabric.strategy.configure(target_epsilon=8.0)
+    assert loader is not None
+
+
+def test_a_target_without_the_loops_length_is_refused():
+    fabric, model, optimizer = _setup(target_epsilon=4.0)
+    with pytest.raises(ValueError, match=r"max_steps=\.\.\.\) or max_epochs"):
+        fabric.setup_dataloaders(DataLoader(_data(), batch_size=8))
+
+
+@pytest.mark.parametrize("mistake", ["second_forward", "second_backward", "step_without_backward",
+                                     "forward_without_draw", "two_draws", "closure"])
+def test_a_loop_that_is_not_one_draw_one_forward_one_backward_one_step_is_refused(mistake):
+    fabric, model, optimizer, loader = _setup_all()
+    it = iter(loader)
+    x, y = next(it)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises((RuntimeError, ValueError)) as err:
+        if mistake == "forward_without_draw":
+            _step(fabric, model, optimizer, (x, y))  # the loader's draw; then a batch from elsewhere
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            x, y = next(iter(DataLoader(_data(), batch_size=8)))
+        if mistake == "two_draws":
+            next(it)
+        if mistake == "second_forward":
+            model(x)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if mistake == "step_without_backward":
+            optimizer.step()
+        fabric.backward(loss)
+        if mistake == "second_backward":
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step(closure=lambda: loss) if mistake == "closure" else optimizer.step()
+    message = str(err.value)
+    assert "optimizer.step()" in message or "closure" in message, message
+    # refused before the charge and the update
+    assert fabric.strategy.ledger.steps == (mistake == "forward_without_draw")
+    after = dict(model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_budget_stops_the_loop_and_refuses_a_step_beyond_it():
+    fabric, model, optimizer, loader = _setup_all(DPFabricStrategy(stage=2, noise_multiplier=1.0,
+                                                                   target_epsilon=3.0))
+    steps = 0
+    while not fabric.strategy.should_stop:
+        for batch in loader:
+            _step(fabric, model, optimizer, batch)
+            steps += 1
+            if fabric.strategy.should_stop:
+                break
+    eps = fabric.strategy.epsilon()
+    assert 0 < eps <= 3.0 and steps == fabric.strategy.ledger.steps
+    guard = fabric.strategy.steps.guard
+    plan = fabric.strategy.plan
+    assert guard.epsilon_after_next_step(fabric.strategy.ledger, plan.sample_rate, plan.noise_multiplier,
+                                         plan.sampler_kind) > 3.0
+    with pytest.raises(PrivacyBudgetExceeded, match="should_stop"):
+        _step(fabric, model, optimizer, next(iter(loader)))
+    assert fabric.strategy.ledger.steps == steps
+
+
+def test_deepspeed_accumulation_and_clipping_are_refused_at_setup():
+    for config, match in (({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+                          ({"gradient_clipping": 1.0}, "gradient_clipping=1.0")):
+        config = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+                  "train_micro_batch_size_per_gpu": 8, **config}
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=DPFabricStrategy(noise_multiplier=1.0, config=config))
+        fabric.launch()
+        net = nn.Linear(4, 2)
+        with pytest.raises(ValueError, match=match):
+            fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_fabric_clip_gradients_and_reserved_checkpoint_keys_are_refused(tmp_path):
+    fabric, model, optimizer, loader = _setup_all()
+    with pytest.raises(ValueError, match="noisy"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    with pytest.raises(ValueError, match="reserved"):
+        fabric.save(tmp_path / "ck", {"model": model, "global_step": 3})
+
+
+def test_the_first_loader_is_the_private_one_and_later_ones_are_unchanged():
+    fabric, model, optimizer, loader = _setup_all()
+    val = fabric.setup_dataloaders(DataLoader(_data(16), batch_size=4))
+    assert type(val.batch_sampler).__name__ == "BatchSampler" and len(val) == 4
+    assert fabric.strategy.plan.dataset_size == 64
+
+
+def test_an_empty_poisson_batch_is_a_noise_only_step():
+    fabric, model, optimizer, loader = _setup_all(batch_size=1)  # q = 1/64: most batches are empty
+    sizes = []
+    for batch in loader:
+        sizes.append(len(batch[0]))
+        _step(fabric, model, optimizer, batch)
+    assert 0 in sizes and fabric.strategy.ledger.steps == len(sizes)
+    assert all(math.isfinite(p.abs().sum().item()) for p in model.parameters())
+
+
+def test_a_loader_set_up_before_the_model_is_refused():
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=DPFabricStrategy(noise_multiplier=1.0))
+    fabric.launch()
+    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\) first"):
+        fabric.setup_dataloaders(DataLoader(_data(), batch_size=8))
+
+
+def test_an_update_without_the_noise_hook_stops_training():
+    # Fabric steps DeepSpeed's optimizer itself (engine.was_step_applied() stays False): the check that the noise
+    # ran must still see the step as applied
+    fabric, model, optimizer, loader = _setup_all()
+    fabric.strategy.mechanism._noise_handle.remove()
+    with pytest.raises(RuntimeError, match="without the DP noise hook"):
+        _step(fabric, model, optimizer, next(iter(loader)))
