@@ -20,7 +20,6 @@ The order of the loop's calls is checked by :class:`~lightning_dpzero._fabric_lo
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -30,6 +29,7 @@ from typing_extensions import override
 from . import _refusals
 from ._fabric_loop import FabricSteps, announce_draws
 from ._launch import FabricDeepSpeedLaunchMixin
+from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
 from ._options import Accountant, Clipping, ClippingFn, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
@@ -195,7 +195,6 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
                 "forward and backward. Remove gradient_accumulation_steps (and train_batch_size) from the config "
                 "and raise the DataLoader's batch_size, or use the Trainer's DPDeepSpeedStrategy with "
                 "Trainer(accumulate_grad_batches=...).")
-        _refusals.check_deferred_writes(self.per_sample.needs_deferred_writes, self.clipping, 1, self.zero_stage)
         self.mechanism.install_noise(_refusals.base_optimizer(engine), replicated=self.zero_stage == 0)
         engine.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         return engine, optimizers, scheduler
@@ -254,10 +253,7 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
         engine = self._deepspeed_engine
         loss = self.mechanism.micro_batch_loss(tensor, self.steps.batch_size, step=self.ledger.steps + 1)
         loss = self.mechanism.probe_loss(loss, 1, engine.gradient_accumulation_steps())
-        ctx = contextlib.nullcontext()
-        if self.per_sample.needs_deferred_writes and self.zero_stage >= 1:
-            ctx = engine.coalesce_grad_reduction()
-        with ctx:
+        with deferred_writes_reduced(self.per_sample, engine, self.zero_stage, 1):  # no accumulation on Fabric
             return super().backward(loss, module, *args, **kwargs)
 
     @override
