@@ -27,7 +27,6 @@ The accountant callback hands its settings over with :meth:`use_accounting` and 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import secrets
 from typing import Any, Callable, Mapping, NamedTuple, Optional
@@ -36,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ._collectives import Collectives, SingleProcess
+from ._micro_batch import logging_suppressed, non_finite_loss_message, zero_loss
 from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
@@ -295,22 +295,22 @@ class DPMechanism:
         self.engine.start_micro_batch(batch_size)
         if batch_size != 0:
             return self.check_finite_loss(run(), step, epoch)
-        with _logging_suppressed(module):
+        with logging_suppressed(module):
             out = run()
-        return self.check_finite_loss(_zero_loss(out), step, epoch)
+        return self.check_finite_loss(zero_loss(out), step, epoch)
 
     def micro_batch_loss(self, loss: Any, batch_size: Optional[int], *, step: Optional[int] = None) -> Any:
         """What :meth:`training_step` does after ``run()``, for a driver whose user computes the loss outside a
         ``training_step`` (a Fabric loop: the engine was told of the micro-batch before its forward): an empty
         Poisson batch's loss (NaN, a mean over no examples) becomes 0, then :meth:`check_finite_loss`."""
-        return self.check_finite_loss(_zero_loss(loss) if batch_size == 0 else loss, step)
+        return self.check_finite_loss(zero_loss(loss) if batch_size == 0 else loss, step)
 
     def check_layout(self, rerun: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int], *,
                      module: Any = None) -> bool:
         """The engine's layout check (:meth:`PerSampleEngine.check_layout`) over the run's ranks, ``module``'s
         ``log``/``log_dict`` calls dropped during its forwards; ``rerun(index)`` runs the micro-batch's
         ``training_step`` on the batch re-indexed by ``index``."""
-        with _logging_suppressed(module):
+        with logging_suppressed(module):
             return self.engine.check_layout(rerun, batch_size, self.collectives)
 
     def check_finite_loss(self, out: Any, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
@@ -336,18 +336,7 @@ class DPMechanism:
         if bad == 0:
             return out
         self.charge()
-        try:
-            eps = f"ε = {self.ledger.epsilon():.6g} at δ = {self.ledger.delta:g}"
-        except Exception:  # noqa: BLE001 - the error below matters more than the number
-            eps = "ε unavailable"
-        local = float(loss.detach().float().flatten()[0]) if loss.numel() else float("nan")
-        raise NonFiniteLossError(
-            f"training_step returned a non-finite loss at optimizer step {step} (epoch {epoch}; this rank's loss: "
-            f"{local}) on {int(bad)} of {world} rank(s). Training stopped before the update; DP training "
-            f"never skips such a step silently. The step was charged to the privacy ledger ({self.ledger.steps} "
-            f"steps, {eps}). Fix the cause (a loss that overflows, e.g. log of 0 or exp of large logits: compute it "
-            "from logits, as cross_entropy does; too large a learning rate; bad values in the data), then resume "
-            "from the last checkpoint.")
+        raise NonFiniteLossError(non_finite_loss_message(self.ledger, loss, int(bad), world, step, epoch))
 
     def probe_loss(self, loss: torch.Tensor, accumulate_grad_batches: int = 1,
                    gradient_accumulation_steps: int = 1) -> torch.Tensor:
@@ -413,23 +402,3 @@ class DPMechanism:
         out = StepStats(int(stats["examples"]), int(stats["clipped"]), float(stats["norm_sum"]))
         self.engine.reset_stats()
         return out
-
-
-@contextlib.contextmanager
-def _logging_suppressed(module):
-    if module is None:
-        yield
-        return
-    module.log = module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
-
-
-def _zero_loss(out):
-    if isinstance(out, torch.Tensor):
-        return torch.nan_to_num(out, nan=0.0) if out.numel() == 1 else out
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        return {**out, "loss": torch.nan_to_num(out["loss"], nan=0.0)}
-    return out
