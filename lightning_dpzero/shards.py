@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ._collectives import gather_objects
 from .sampling import dataset_size
@@ -128,7 +128,9 @@ def describe_training_data(dataloader: Any, world_size: int, pre_sharded: bool) 
             raise ValueError(f"Rank {rank}'s training DataLoader was refused: {error}")
     digests = [d for _, d, _ in found]
     if len(set(digests)) == 1:
-        rank_zero_warn(
+        # the usual case (use_distributed_sampler=False set for validation sharding, as the example configs do):
+        # correct as it is, so said once in the log, not warned
+        rank_zero_info(
             f"Trainer(use_distributed_sampler=False), but every one of the {world_size} ranks' training DataLoaders "
             f"holds the same dataset ({n} examples: the same length and the same examples). It is treated as one "
             f"global dataset of N = {n} examples that the DP sampler shards over the ranks (not {world_size} "

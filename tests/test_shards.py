@@ -105,11 +105,17 @@ def test_disjoint_shards_sum_to_n(monkeypatch):
     assert data.dataset_size == 100 and data.shard_sizes == (30, 70)
 
 
-def test_the_same_dataset_on_every_rank_is_one_dataset_not_w(monkeypatch):
+def test_the_same_dataset_on_every_rank_is_one_dataset_not_w(monkeypatch, caplog):
+    """The example configs' case (use_distributed_sampler=False for validation): N once, said in the log only."""
+    import logging
+    import warnings
+
     x = torch.arange(100.0)
-    with pytest.warns(UserWarning, match="same dataset"):
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("error")
         data = _ranks_hold(monkeypatch, [TensorDataset(x), TensorDataset(x.clone())])
     assert data.dataset_size == 100 and data.shard_sizes is None  # not 200
+    assert "holds the same dataset" in caplog.text and "treated as one global dataset of N = 100" in caplog.text
 
 
 def test_some_ranks_holding_the_same_dataset_is_refused(monkeypatch):
