@@ -27,6 +27,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
 from typing_extensions import override
 
 from . import _refusals
+from ._dp_settings import DPSettings
 from ._fabric_loop import FabricSteps, announce_draws
 from ._launch import FabricDeepSpeedLaunchMixin
 from ._reduction import deferred_writes_reduced
@@ -34,9 +35,6 @@ from ._strategy_names import register_names
 from ._options import Accountant, Clipping, ClippingFn, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
-from .mechanism import DPMechanism
-from .per_sample import PerSampleEngine
-from .per_sample.clipping import validate_clipping, validate_clipping_groups
 from .per_sample.layout import reindex_batch
 from .privacy_plan import DEFAULT_DELTA, AccountingSettings
 
@@ -44,7 +42,7 @@ _STEP_KEY = "global_step"  # the optimizer steps of the weights, in the client s
 _COUNTER = "Fabric optimizer steps"
 
 
-class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
+class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
     """Fabric's DeepSpeed strategy (ZeRO stages 0–3) with differentially private SGD (Abadi et al. 2016).
 
     Each ``optimizer.step()`` releases ``(Σ_i clip(g_i) + N(0, σ²C²I)) / B_exp`` over one Poisson-sampled batch
@@ -92,15 +90,11 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
         if isinstance(clipping_groups, str):
             raise ValueError("clipping_groups='param_groups' is for the Trainer strategy; with Fabric give lists of "
                              "parameter-name patterns, e.g. [['encoder.*'], ['head.*']].")
-        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
-        validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
-        self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
-        self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
-        self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
-        self.layout_check = _refusals.warn_layout_check_off(layout_check)
-        self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
-                                     poisson_sampling=poisson_sampling)
-        self.per_sample: Optional[PerSampleEngine] = None
+        self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
+                              clipping_fn=clipping_fn, gamma=gamma, clipping_groups=clipping_groups,
+                              group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
+                              secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
+                              layout_check=layout_check)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._loader = None
         self._in_layout_check = False
@@ -177,15 +171,7 @@ class DPFabricStrategy(FabricDeepSpeedLaunchMixin, DeepSpeedStrategy):
             raise ValueError(
                 f"The DeepSpeed config sets gradient_clipping={self.config['gradient_clipping']}; per-example "
                 "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
-        patterns = self.clipping_groups
-        self.per_sample = PerSampleEngine(module, self.mechanism.max_grad_norm, self.clipping, self.clipping_fn,
-                                          self.gamma, self.loss_reduction, groups=patterns,
-                                          group_max_grad_norms=self.group_max_grad_norms).attach()
-        self.mechanism.attach(self.per_sample, self)
-        if self.zero_stage == 3 and self.per_sample.zero3_leaf_types:
-            from deepspeed.utils import set_z3_leaf_modules
-
-            set_z3_leaf_modules(module, self.per_sample.zero3_leaf_types)
+        self.attach_engine(module, self.clipping_groups, self.zero_stage)
         engine, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
         gas = engine.gradient_accumulation_steps()
         if gas != 1:

@@ -25,14 +25,12 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from . import _known_warnings, _lightning_loop as _loop, _refusals
+from ._dp_settings import DPSettings
 from ._launch import DeepSpeedLaunchMixin
-from ._options import Clipping, ClippingFn, LossReduction, check_option
+from ._options import Clipping, ClippingFn, LossReduction
 from ._strategy_names import register_names
 from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
-from .mechanism import DPMechanism
-from .per_sample import PerSampleEngine
-from .per_sample.clipping import validate_clipping, validate_clipping_groups
 from .per_sample.layout import reindex_batch
 
 
@@ -50,7 +48,7 @@ class _OfMechanism:
                              f"for plan and ledger, when training starts); read it as strategy.{self.name}.")
 
 
-class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
+class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO (stages 0–3) with differentially private SGD (Abadi et al. 2016; Bu et al., DP-ZeRO).
 
     The released gradient of each optimizer step is ``(Σ_i clip(g_i) + N(0, σ²C²I)) / B_exp`` with
@@ -105,15 +103,11 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: LossReduction = "mean", layout_check: bool = True, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
-        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
-        self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
-        self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
-                                     poisson_sampling=poisson_sampling)
-        self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
-        validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
-        self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
-        self.layout_check = _refusals.warn_layout_check_off(layout_check)
-        self.per_sample: Optional[PerSampleEngine] = None
+        self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
+                              clipping_fn=clipping_fn, gamma=gamma, clipping_groups=clipping_groups,
+                              group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
+                              secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
+                              layout_check=layout_check)
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
 
@@ -145,15 +139,7 @@ class DPDeepSpeedStrategy(DeepSpeedLaunchMixin, DeepSpeedStrategy):
             _refusals.check_trainer(trainer, self.config)
             self._fit_loop.install(trainer)  # before Lightning registers its SIGTERM handler (after setup)
             patterns = None if self.clipping_groups == "param_groups" else self.clipping_groups
-            self.per_sample = PerSampleEngine(self.model, self.max_grad_norm, self.clipping, self.clipping_fn,
-                                              self.gamma, self.loss_reduction, groups=patterns,
-                                              group_max_grad_norms=self.group_max_grad_norms)
-            self.per_sample.attach()
-            self.mechanism.attach(self.per_sample, self)
-            if self.zero_stage == 3 and self.per_sample.zero3_leaf_types:
-                from deepspeed.utils import set_z3_leaf_modules
-
-                set_z3_leaf_modules(self.model, self.per_sample.zero3_leaf_types)
+            self.attach_engine(self.model, patterns, self.zero_stage)
         super().setup(trainer)
         if fitting:
             if self.clipping_groups == "param_groups":
