@@ -364,25 +364,36 @@ class PerSampleEngine:
         self._deferred.append((ids, coef, records))
         return {}
 
+    def _site_clipped(self, site: Site, ids: set[int], coef: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids``."""
+        hook = site.hook
+        grads = hook.rule.clipped_grads(site, coef * (site.scale * self.emit_scale), [i in ids for i in hook.param_ids])
+        return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
+
     def _clipped(self, ids: set[int], coef: torch.Tensor, records: list) -> dict[int, torch.Tensor]:
         """Σ over sites of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id."""
         out: dict[int, torch.Tensor] = {}
         for site in records:
-            hook = site.hook
-            mask = [i in ids for i in hook.param_ids]
-            grads = hook.rule.clipped_grads(site, coef * (site.scale * self.emit_scale), mask)
-            for i, gr in zip(hook.param_ids, grads):
-                if gr is not None:
-                    self._add(out, i, gr)
+            for i, gr in self._site_clipped(site, ids, coef):
+                self._add(out, i, gr)
         return out
+
+    def _write_clipped(self, ids: set[int], coef: torch.Tensor, records: list, by_id: dict) -> None:
+        """Deferred writes of group ``ids``, site by site in backward order: each site is dropped as soon as its
+        sums are written, so its input and output gradient are freed before the next site's sums are formed
+        (no second copy of the gradients beside every site's records at the end of the backward pass)."""
+        records.reverse()
+        while records:
+            self.window.write((by_id[i], gr) for i, gr in self._site_clipped(records.pop(), ids, coef))
 
     def finalize(self) -> None:
         """End of a backward pass: deferred gradients are added to ``p.grad``, statistics updated."""
         for k in list(self._records):  # a group some of whose sites never ran backward (unused output)
             self._complete(k, None)
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
-        for ids, coef, records in self._deferred:
-            self.window.write((by_id[i], gr) for i, gr in self._clipped(ids, coef, records).items())
+        deferred, self._deferred = self._deferred, []
+        for ids, coef, records in deferred:
+            self._write_clipped(ids, coef, records, by_id)
         total, paths = self._total_sq, self._paths
         self._reset_pass()
         if total is not None:  # a backward ran (``micro_batch`` calls this again after the queued call)

@@ -49,9 +49,15 @@ def per_example_sq(t: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i Σ_t g_{i,t} a_{i,t}ᵀ`` as a (p, d) matrix in ``g``'s dtype: one matmul, no B×p×d tensor."""
-    gw = g * coef.to(g.dtype).view(-1, 1, 1)
-    return gw.reshape(-1, g.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
+    """``Σ_i coef_i Σ_t g_{i,t} a_{i,t}ᵀ`` as a (p, d) matrix in ``g``'s dtype: one matmul, no B×p×d tensor.
+    The coefficients scale the smaller of the two factors (``a`` when d < p), one pass over B·T·min(d, p)."""
+    c = coef.to(g.dtype).view(-1, 1, 1)
+    a = a.to(g.dtype)
+    if a.shape[-1] < g.shape[-1]:
+        a = a * c
+    else:
+        g = g * c
+    return g.reshape(-1, g.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]))
 
 
 def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
