@@ -39,6 +39,7 @@ from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
+from .maths import param_shape
 from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
@@ -364,10 +365,20 @@ class PerSampleEngine:
         self._deferred.append((ids, coef, records))
         return {}
 
-    def _site_clipped(self, site: Site, ids: set[int], coef: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids``."""
-        hook = site.hook
-        grads = hook.rule.clipped_grads(site, coef * (site.scale * self.emit_scale), [i in ids for i in hook.param_ids])
+    def _site_clipped(self, site: Site, ids: set[int], coef: torch.Tensor,
+                      by_id: Optional[dict] = None) -> list[tuple[int, torch.Tensor]]:
+        """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids``; with ``by_id`` (a deferred
+        write) the rule may add a sum into ``p.grad`` in place (one addmm for a Linear, no temporary of the
+        weight's size), and that parameter is left out."""
+        hook, c = site.hook, coef * (site.scale * self.emit_scale)
+        mask = [i in ids for i in hook.param_ids]
+        dtype = getattr(site.g, "dtype", None)  # a multi-input rule's records are its own
+        if by_id is None or dtype is None:
+            grads = hook.rule.clipped_grads(site, c, mask)
+        else:
+            into = [self.window.grad_into(by_id[i], dtype, math.prod(param_shape(by_id[i]))) if m else None
+                    for i, m in zip(hook.param_ids, mask)]
+            grads = hook.rule.add_clipped_grads(site, c, mask, into)
         return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
 
     def _clipped(self, ids: set[int], coef: torch.Tensor, records: list) -> dict[int, torch.Tensor]:
@@ -384,7 +395,7 @@ class PerSampleEngine:
         (no second copy of the gradients beside every site's records at the end of the backward pass)."""
         records.reverse()
         while records:
-            self.window.write((by_id[i], gr) for i, gr in self._site_clipped(records.pop(), ids, coef))
+            self.window.write((by_id[i], gr) for i, gr in self._site_clipped(records.pop(), ids, coef, by_id))
 
     def finalize(self) -> None:
         """End of a backward pass: deferred gradients are added to ``p.grad``, statistics updated."""
