@@ -4,7 +4,7 @@
 ``torchrun`` environment; each runs ``cfg['warmup'] + cfg['steps']`` optimizer steps of the configuration
 and returns its step times (wall and CPU), peak RSS and, on the last step, the bytes of model states the
 engine holds (:func:`model_state_bytes`). ``cfg['strategy_kw']`` (optional) goes to both strategies (e.g.
-``offload_optimizer``).
+``offload_optimizer``), ``cfg['ds_config']`` (optional) is merged into their DeepSpeed configuration.
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ def lightning_worker(cfg: dict) -> dict:
                                        clipping_groups=cfg.get("clipping_groups"), poisson_sampling=False,
                                        seed=1234, **cfg.get("strategy_kw", {}))
         callbacks.append(PrivacyAccountantCallback(delta=1e-5))
+    strategy.config.update(cfg.get("ds_config", {}))  # e.g. zero_force_ds_cpu_optimizer for offload + Adam
     callbacks.append(timer)
     trainer = L.Trainer(strategy=strategy, accelerator=cfg["accelerator"], devices=W, max_steps=total,
                         precision=cfg["precision"], callbacks=callbacks, logger=False,

@@ -1,6 +1,7 @@
 """Whole-step time and memory of DP training against non-DP, one process launch per configuration.
 
-Two groups of configurations per model (the GPT-style decoder and the small CNN of ``benchmarks.models``):
+Two groups of configurations per model (the GPT-style decoder, the same at GPT-2-small width with two blocks
+("gpt-wide", Lightning runs only) and the small CNN of ``benchmarks.models``):
 
 * **Lightning + DeepSpeed, W processes** (W = 2 on the CPU, launched like ``torchrun``: MASTER_ADDR/PORT,
   RANK, LOCAL_RANK, WORLD_SIZE in the environment, so Lightning does not relaunch): the non-DP baseline is
@@ -52,12 +53,31 @@ from benchmarks.models import build_model, linear_shapes, make_data, model_floor
 
 # ===================================================================================== configurations
 def model_kwargs(model: str, args) -> dict:
+    if model == "gpt-wide":  # GPT-2-small width, few blocks: the d 768 targets
+        return dict(vocab=args.vocab, d_model=args.wide_d_model, heads=args.wide_heads, layers=args.wide_layers,
+                    seq=args.wide_seq)
     if model.startswith("gpt"):
         kw = dict(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers, seq=args.seq)
         if model == "gpt-lora":
             kw["lora_rank"] = args.lora_rank
         return kw
     return dict(channels=args.cnn_channels, image=32, classes=10)
+
+
+#: the strategy settings of each DP method name (``nondp``: Lightning's own DeepSpeedStrategy)
+METHODS = {"nondp": {}, "layer": dict(clipping="layer-wise", clipping_fn="abadi"),
+           "all": dict(clipping="all-layer", clipping_fn="abadi")}
+
+
+def lightning_case(group: str, method: str, *, model: str, model_kw: dict, stage: int, world: int, batch: int,
+                   warmup: int, steps: int, threads: int = 1, precision: str = "32-true", accelerator: str = "cpu",
+                   accumulate: int = 1, profile: bool = False, **kw) -> dict:
+    """One Lightning + DeepSpeed configuration ``GROUP/METHOD`` against the baseline ``GROUP/nondp``; ``kw``
+    are the DP strategy's settings (``clipping``, ``clipping_fn``, ...) and ``strategy_kw`` (both strategies)."""
+    return dict(name=f"{group}/{method}", group=group, baseline=f"{group}/nondp", kind="lightning", model=model,
+                model_kw=model_kw, stage=stage, method=method, world=world, batch=batch, threads=threads,
+                precision=precision, accelerator=accelerator, accumulate=accumulate, profile=profile,
+                warmup=warmup, steps=steps, seed=0, **kw)
 
 
 def gpt_groups(layers: int) -> list[list[str]]:
@@ -73,19 +93,18 @@ def build_cases(args) -> list[dict]:
     common = dict(warmup=args.warmup, steps=args.steps, accelerator=args.accelerator, seed=0)
 
     def micro(model):
+        if model == "gpt-wide":
+            return args.wide_batch
         return args.cnn_batch if model == "cnn" and args.cnn_batch else args.batch
 
     acc = f"/acc{args.accumulate}" if args.accumulate > 1 else ""
 
     def ds(model, stage, method, **kw):
-        name = f"{model}/zero{stage}{acc}/{method}"
-        base = f"{model}/zero{stage}{acc}/nondp"
-        cases.append(dict(common, name=name, group=f"{model}/zero{stage}{acc}", baseline=base, kind="lightning",
-                          accumulate=args.accumulate,
-                          profile=args.profile,
-                          model=model, model_kw=model_kwargs(model, args), stage=stage, method=method,
-                          world=W, batch=micro(model), threads=args.threads_per_proc,
-                          precision=args.precision, **kw))
+        cases.append(lightning_case(f"{model}/zero{stage}{acc}", method, model=model,
+                                    model_kw=model_kwargs(model, args), stage=stage, world=W, batch=micro(model),
+                                    warmup=args.warmup, steps=args.steps, threads=args.threads_per_proc,
+                                    precision=args.precision, accelerator=args.accelerator,
+                                    accumulate=args.accumulate, profile=args.profile, **kw))
 
     def single(model, method):
         cases.append(dict(common, name=f"{model}/1proc/{method}", group=f"{model}/1proc",
@@ -108,6 +127,12 @@ def build_cases(args) -> list[dict]:
             if args.lora_rank:
                 ds("gpt-lora", args.detail_stage, "nondp")
                 ds("gpt-lora", args.detail_stage, "layer", clipping="layer-wise", clipping_fn="abadi")
+        elif model == "gpt-wide":
+            for s in args.wide_stages:
+                ds("gpt-wide", s, "nondp")
+                ds("gpt-wide", s, "layer", clipping="layer-wise", clipping_fn="abadi")
+                ds("gpt-wide", s, "all", clipping="all-layer", clipping_fn="abadi")
+            continue  # no one-process runs of the wide GPT
         elif model == "cnn":
             for s in stages:
                 ds("cnn", s, "nondp")
@@ -217,7 +242,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--models", default="gpt,cnn", type=lambda s: s.split(","))
+    ap.add_argument("--models", default="gpt,gpt-wide,cnn", type=lambda s: s.split(","))
     ap.add_argument("--only", help="regular expression on configuration names (their baselines are kept)")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--stages", default="0,2,3", type=lambda s: [int(x) for x in s.split(",")])
@@ -240,6 +265,12 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--wide-d-model", type=int, default=768, help="d_model of the gpt-wide model")
+    ap.add_argument("--wide-heads", type=int, default=12)
+    ap.add_argument("--wide-layers", type=int, default=2)
+    ap.add_argument("--wide-seq", type=int, default=256)
+    ap.add_argument("--wide-batch", type=int, default=4, help="micro-batch per process of gpt-wide")
+    ap.add_argument("--wide-stages", default="2,3", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA runs")
     ap.add_argument("--cnn-channels", type=int, default=32)
     ap.add_argument("--cnn-batch", type=int, default=32, help="micro-batch per process of the CNN (0: --batch)")
