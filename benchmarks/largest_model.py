@@ -124,7 +124,7 @@ def render(res: dict) -> str:
         row = [c["label"], f"{res['args']['budget_mb']:.0f}", c["predicted_d"],
                f"{c['formula_psi'] / 1e6:.1f} M"]
         if not nd:
-            rows.append(row + ["not found"] + [None] * 6)
+            rows.append(row + ["not found"] + [None] * 5)
             continue
         row += [f"{nd['d']} / {nd['psi'] / 1e6:.1f} M / {nd['peak_rss_mb']:.0f}"]
         for m in ("layer", "all"):

@@ -72,7 +72,9 @@ def render(res: dict) -> str:
         row += [1e3 * base["cpu_median_s"], max(base["rss_peak_mb"])]
         for m in ("layer", "all"):
             r = by.get(f"{group}/{m}", {})
-            if "error" in r or not r:
+            if not r:
+                row += [None, None]  # not run (an interrupted grid)
+            elif "error" in r:
                 row += ["over budget" if r.get("over_budget") else "failed", None]
             else:
                 row += [r.get("cpu_ratio"), r.get("rss_peak_ratio")]
