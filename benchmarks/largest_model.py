@@ -94,10 +94,11 @@ class Search:
         return t
 
     def largest(self, label, stage, method, start: int, grow: float, offload=False) -> dict | None:
-        """Largest fitting multiple of STEP: bracket from ``start`` (×``grow`` or ±STEP), then bisect."""
+        """Largest fitting multiple of STEP: bracket from ``start`` (×``grow``, at least ±STEP; faster after two
+        steps the same way), then bisect. None when nothing fits, or a tiny model fails for another reason."""
         fit, nofit, k = None, None, start // STEP
-        best = None
-        for _ in range(12):
+        best, misses, hits = None, 0, 0
+        for _ in range(20):
             t = self.trial(label, stage, method, k * STEP, offload)
             if t["fits"]:
                 fit, best = k, t
@@ -108,10 +109,12 @@ class Search:
                     return None  # it fails for another reason even when tiny: not a memory limit
             if fit is not None and nofit is not None and nofit - fit <= 1:
                 return best
-            if nofit is None:
-                k = max(k + 1, math.ceil(k * grow))
-            elif fit is None:
-                k = max(1, min(k - 1, math.floor(k / grow)))
+            if nofit is None:  # everything fits so far: step up, faster after two hits
+                hits += 1
+                k = max(k + 1, math.ceil(k * (grow if hits <= 2 else 1.25)))
+            elif fit is None:  # nothing fits yet: step down, halving after two misses (a formula far off)
+                misses += 1
+                k = max(1, min(k - 1, math.floor(k / grow)) if misses <= 2 else k // 2)
             else:
                 k = (fit + nofit) // 2
         return best
