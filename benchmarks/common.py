@@ -180,3 +180,10 @@ def write_json(path: Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def close_run(res: dict, out, t_start: float) -> None:
+    """Stamp a finished run's results (wall seconds since ``t_start``, the machine after it) and write them."""
+    res["wall_s"] = time.time() - t_start
+    res["machine_after"] = machine_info()
+    write_json(out, res)

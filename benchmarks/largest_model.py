@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, md_table, write_json
+from benchmarks.common import RESULTS, close_run, machine_info, md_table, write_json
 from benchmarks.launch import launch
 from benchmarks.step_time import METHODS, lightning_case
 
@@ -172,9 +172,7 @@ def main(argv=None) -> dict:
         for m in (m for m in methods if m != "nondp"):
             c["results"][m] = search.largest(label, stage, m, nd["d"] if nd else d0, 1.0, offload)
         write_json(args.out, res)
-    res["wall_s"] = time.time() - t0
-    res["machine_after"] = machine_info()
-    write_json(args.out, res)
+    close_run(res, args.out, t0)
     print(render(res))
     return res
 

@@ -2,14 +2,15 @@
 
 Usage::
 
-    python -m benchmarks.run                    # per-layer, engine profile, step time (~15 min on 2 idle
-                                                # cores), then render
+    python -m benchmarks.run                    # per-layer, engine profile, step time, ε accuracy, scaling
+                                                # grid, largest model (~75 min on 2 shared cores), render
     python -m benchmarks.run --render-only      # re-render docs/benchmarks.md from the committed JSON
     python -m benchmarks.run --skip-per-layer   # step time only (per-layer JSON reused)
 
 Every flag of ``benchmarks.step_time`` can follow ``--`` (e.g. ``-- --steps 4 --models gpt``).
 Outputs: ``benchmarks/results/per_layer_cpu.json``, ``per_layer_rnn_cpu.json``, ``profile_engine_cpu.json``,
-``step_time_cpu.json``, ``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
+``step_time_cpu.json``, ``epsilon_accuracy.json``, ``scaling_cpu.json``, ``largest_model_cpu.json``,
+``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
 ``benchmarks/results/step_time_profile_cpu.json`` (a ``step_time --profile`` run) and the hand-written
 ``benchmarks/results/analysis.md`` when they exist. The page opens with a summary in words, generated from
 the step-time JSON.
@@ -22,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks import largest_model, per_layer, profile_engine, scaling, step_time
+from benchmarks import epsilon_accuracy, largest_model, per_layer, profile_engine, scaling, step_time
 from benchmarks.common import RESULTS, load_average, md_table
 from benchmarks.report import TARGET_NOTES, model_line, summary, targets
 
@@ -129,6 +130,14 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         ". .venv/bin/activate && pip install -c constraints-cpu.txt -e \".[bench]\"",
         command,
         "```",
+        "",
+        "It runs, one after the other (each also alone): the per-layer micro-benchmarks "
+        "(`python -m benchmarks.per_layer`), the engine profile (`python -m benchmarks.profile_engine`), whole "
+        "training steps (`python -m benchmarks.step_time`), the ε accuracy (`python benchmarks/epsilon_accuracy.py "
+        "--no-fixed --out benchmarks/results/epsilon_accuracy.json`), the scaling grid (`python -m "
+        "benchmarks.scaling`) and the largest-model search (`python -m benchmarks.largest_model`), then renders "
+        "this page; `--skip-scaling`, `--skip-largest` and the other `--skip-*` flags leave a part's committed "
+        "results as they are.",
         "",
         "GPU figures are not measured yet: `bash benchmarks/gpu.sh` runs the same step-time cases at GPT-2-small "
         "width on one GPU, after "
@@ -271,6 +280,9 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-per-layer", action="store_true")
     ap.add_argument("--skip-step-time", action="store_true")
     ap.add_argument("--skip-profile", action="store_true", help="skip benchmarks.profile_engine (about a minute)")
+    ap.add_argument("--skip-epsilon", action="store_true", help="skip benchmarks/epsilon_accuracy.py (~1.5 min)")
+    ap.add_argument("--skip-scaling", action="store_true", help="skip benchmarks.scaling (~25 min)")
+    ap.add_argument("--skip-largest", action="store_true", help="skip benchmarks.largest_model (~30 min)")
     ap.add_argument("rest", nargs="*", help="flags for benchmarks.step_time, after --")
     args = ap.parse_args(argv)
     pl_path, st_path = RESULTS / "per_layer_cpu.json", RESULTS / "step_time_cpu.json"
@@ -285,6 +297,12 @@ def main(argv=None) -> None:
             profile_engine.main(["--layers-too", "--out", str(RESULTS / "profile_engine_cpu.json")])
         if not args.skip_step_time:
             step_time.main(args.rest + ["--out", str(st_path)])
+        if not args.skip_epsilon:
+            epsilon_accuracy.main(["--no-fixed", "--out", str(RESULTS / "epsilon_accuracy.json")])
+        if not args.skip_scaling:
+            scaling.main(["--out", str(RESULTS / "scaling_cpu.json")])
+        if not args.skip_largest:
+            largest_model.main(["--out", str(RESULTS / "largest_model_cpu.json")])
         print(f"total {time.time() - t0:.0f} s; load average after: {load_average()}", flush=True)
     pl = json.loads(pl_path.read_text()) if pl_path.exists() else None
     st = json.loads(st_path.read_text()) if st_path.exists() else None

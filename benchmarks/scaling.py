@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info, md_table, write_json
+from benchmarks.common import RESULTS, close_run, machine_info, md_table, write_json
 from benchmarks.launch import launch
 from benchmarks.step_time import METHODS, finish, lightning_case
 
@@ -117,9 +117,7 @@ def main(argv=None) -> dict:
         print(cfg["name"], r.get("error") or f"CPU {1e3 * r['cpu_median_s']:.0f} ms ×{r.get('cpu_ratio', 1):.3f} "
               f"peak RSS {max(r['rss_peak_mb']):.0f} MB ({r['launch_wall_s']:.0f} s)", flush=True)
         write_json(args.out, res)  # partial results survive an interrupted grid
-    res["wall_s"] = time.time() - t0
-    res["machine_after"] = machine_info()
-    write_json(args.out, res)
+    close_run(res, args.out, t0)
     print(render(res))
     return res
 
