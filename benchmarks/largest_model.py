@@ -112,9 +112,9 @@ class Search:
             if nofit is None:  # everything fits so far: step up, faster after two hits
                 hits += 1
                 k = max(k + 1, math.ceil(k * (grow if hits <= 2 else 1.25)))
-            elif fit is None:  # nothing fits yet: step down, halving after two misses (a formula far off)
+            elif fit is None:  # nothing fits yet: step down, faster after two misses (a formula far off)
                 misses += 1
-                k = max(1, min(k - 1, math.floor(k / grow)) if misses <= 2 else k // 2)
+                k = max(1, min(k - 1, math.floor(k / (grow if misses <= 2 else 1.25))))
             else:
                 k = (fit + nofit) // 2
         return best
