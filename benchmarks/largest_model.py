@@ -134,11 +134,12 @@ def render(res: dict) -> str:
             r = c["results"].get(m)
             row += [f"{r['d']} / {r['psi'] / 1e6:.1f} M / {r['peak_rss_mb']:.0f}" if r else "not found",
                     f"{r['psi'] / nd['psi']:.3f}" if r else None]
-        row.append(f"{nd['model_states']['model_states'] / 2**20:.0f}" if nd.get("model_states") else None)
+        states = nd["psi"] * bytes_per_param(c["stage"], res["args"]["world"]) / 2**20
+        row.append(f"{states:.0f} + {res['footprint_mb']:.0f} = {states + res['footprint_mb']:.0f}")
         rows.append(row)
     return md_table(["ZeRO", "budget MB/proc", "formula's d", "formula's Ψ", "non-DP: d / Ψ / peak RSS MB",
                      "layer-wise: d / Ψ / peak RSS MB", "Ψ ÷ non-DP", "all-layer: d / Ψ / peak RSS MB",
-                     "Ψ ÷ non-DP", "non-DP model states MB/proc (measured)"], rows)
+                     "Ψ ÷ non-DP", "formula's model states at non-DP's Ψ + footprint, MB/proc"], rows)
 
 
 def main(argv=None) -> dict:

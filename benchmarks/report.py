@@ -91,9 +91,10 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | None =
     # 6. scaling
     if scaling:
         done = [r for r in scaling["results"] if "error" not in r]
+        a = scaling["args"]
+        grid = 3 * len(a["widths"]) * len(a["seqs"]) * len(a["batches"])  # non-DP, layer-wise, all-layer
         rows.append(["cost against width, length and batch (ZeRO-3; table below)", "measured",
-                     f"{len(done)} of {len(scaling['results'])} configurations", None, None,
-                     _verdict(len(done) == len(scaling["results"]))])
+                     f"{len(done)} of {grid} configurations", None, None, _verdict(len(done) == grid)])
     else:
         rows.append(["cost against width, length and batch", "measured", NOT_RUN, None, None, "–"])
     # 7. the largest model

@@ -81,6 +81,8 @@ def scaling_section(sc: dict) -> str:
         f"{a['world']} processes × micro-batch B, {a['warmup']} warm-up step then {a['steps']} timed steps (median), "
         "each configuration's non-DP baseline launched just before it; the DP columns are CPU-time and peak-RSS "
         f"ratios to that baseline. A watchdog kills a configuration above {a['rss_limit_mb']:.0f} MB per process. "
+        "With so few timed steps on a shared machine read the ratios to about ±0.1 (a DP step cannot be faster "
+        "than its non-DP baseline: ratios below 1 are that noise). "
         f"Predicted {sc['estimate_s'] / 60:.0f} min with a free core per process; took "
         + (f"{sc['wall_s'] / 60:.0f} min on the shared machine." if "wall_s" in sc else "(interrupted run)."),
         "",
@@ -101,7 +103,11 @@ def largest_section(lm: dict) -> str:
         "partitioned by the stage); a watchdog kills a trial once a process crosses the budget. Offload moves "
         "the optimizer states and parameters to CPU memory, which on this CPU-only machine is the same memory, "
         "so it cannot raise the limit here; it shows that DP trains with offload what non-DP does. Cells: "
-        "width / Ψ / peak RSS per process."
+        "width / Ψ / peak RSS per process. One width step is 3–4% of Ψ here, and the same trial's peak moves by "
+        "about ±40 MB between launches, so a DP maximum one step above non-DP's is that noise. The last column "
+        "is the formula's model states at non-DP's maximum plus the tiny model's footprint: what the formula "
+        "leaves out (activations, DeepSpeed's flat copies and buckets, allocator slack) is the rest of the "
+        "budget."
         + (f" Took {lm['wall_s'] / 60:.0f} min, {len(lm['trials'])} trials." if "wall_s" in lm else
            " (interrupted run: the stages it reached)"),
         "",
