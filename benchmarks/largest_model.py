@@ -16,7 +16,7 @@ it brackets and bisects on multiples of 32. A DP search starts at non-DP's width
 
 Usage::
 
-    python -m benchmarks.largest_model                      # budget 2048 MB per process, ~30 min
+    python -m benchmarks.largest_model                      # budget 2048 MB per process, ~40 trials, ~55 min shared
     python -m benchmarks.largest_model --stages 3 --budget-mb 1536
 """
 

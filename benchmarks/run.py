@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.run                    # per-layer, engine profile, step time, ε accuracy, scaling
-                                                # grid, largest model (~75 min on 2 shared cores), render
+                                                # grid, largest model (~2 h on 2 shared cores), render
     python -m benchmarks.run --render-only      # re-render docs/benchmarks.md from the committed JSON
     python -m benchmarks.run --skip-per-layer   # step time only (per-layer JSON reused)
 
@@ -287,8 +287,10 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-step-time", action="store_true")
     ap.add_argument("--skip-profile", action="store_true", help="skip benchmarks.profile_engine (about a minute)")
     ap.add_argument("--skip-epsilon", action="store_true", help="skip benchmarks/epsilon_accuracy.py (~1.5 min)")
-    ap.add_argument("--skip-scaling", action="store_true", help="skip benchmarks.scaling (~25 min)")
-    ap.add_argument("--skip-largest", action="store_true", help="skip benchmarks.largest_model (~30 min)")
+    ap.add_argument("--skip-scaling", action="store_true",
+                    help="skip benchmarks.scaling (16 min predicted on 2 idle cores; 45 on a shared machine)")
+    ap.add_argument("--skip-largest", action="store_true",
+                    help="skip benchmarks.largest_model (about 40 trials of 30-70 s)")
     ap.add_argument("rest", nargs="*", help="flags for benchmarks.step_time, after --")
     args = ap.parse_args(argv)
     pl_path, st_path = RESULTS / "per_layer_cpu.json", RESULTS / "step_time_cpu.json"

@@ -10,7 +10,7 @@ step summed over the ranks, peak RSS per process). A watchdog kills a configurat
 
 Usage::
 
-    python -m benchmarks.scaling                 # the default grid (about 25 min on 2 shared cores)
+    python -m benchmarks.scaling                 # the default grid (16 min predicted, 45 min on 2 shared cores)
     python -m benchmarks.scaling --estimate      # the predicted run time of the grid, without running it
 """
 
