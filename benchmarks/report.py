@@ -39,7 +39,7 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | None =
     def time_row(label, name, bound, floor=None, rel=None):
         r = _get(st, name)
         if not r or "cpu_ratio" not in r:
-            rows.append([label, rel or f"≤ {bound:.3f}", NOT_RUN, None, floor, "–"])
+            rows.append([label, rel or f"≤ {bound:.3f}", NOT_RUN, None, None if floor is None else f"{floor:.3f}", "–"])
             return
         rows.append([label, rel or f"≤ {bound:.3f}", f"{r['cpu_ratio']:.3f}", f"{r['time_ratio']:.3f}",
                      None if floor is None else f"{floor:.3f}", _verdict(r["cpu_ratio"] <= bound)])
