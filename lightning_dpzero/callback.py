@@ -160,7 +160,8 @@ class PrivacyAccountantCallback(Callback):
     def _exhausted_message(self, trainer) -> str:
         ledger, plan = self.ledger, self._plan
         ask = self._ahead if self._ahead is not None else self._guard
-        after = ask.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
+        after = ask.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
+                                            plan.micro_batch_bound)
         planned = f" of the planned {plan.planned_steps}" if plan.planned_steps else ""
         return (f"Privacy budget exhausted: after {ledger.steps}{planned} optimizer steps ε = "
                 f"{self.epsilon():.6g} ({self.accountant}, δ = {self.delta:g}); one more step (q = "
@@ -186,7 +187,8 @@ class PrivacyAccountantCallback(Callback):
         if self._ahead is None:
             self._start_accounting()
         plan = self._plan
-        return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
+        return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
+                                   plan.micro_batch_bound)
 
     def _start_accounting(self) -> None:
         self._ahead = AccountingAhead(self._answerer(), self.accounting_worker)
