@@ -331,3 +331,72 @@ def test_the_accounting_worker_answers_with_the_bound():
     plan = json.loads(json.dumps(plan_tuple(Q, SIGMA, "poisson", bound)))
     assert answerer.epsilon_after_next_step(view, tuple(plan)) == compute_epsilon(
         [LedgerEntry.of(Q, SIGMA, 501, bound=bound)], DELTA)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _seed_that_binds(n, q, world, k, b, steps, shard_sizes=None):
+    """A seed whose unbounded draws exceed K·b on some rank within the first ``steps`` steps (the bounded run must
+    then truncate), and that step: (seed, rank, step)."""
+    for seed in range(5000):
+        for rank, rank_steps in enumerate(_steps(n, q, world, k, None, seed, shard_sizes=shard_sizes, epochs=1)):
+            for i, step in enumerate(rank_steps[:steps]):
+                if sum(len(mb) for mb in step) > k * b:
+                    return seed, rank, i
+    raise AssertionError("no seed binds")
+
+
+@pytest.mark.slow
+def test_a_lightning_run_on_two_processes_never_exceeds_the_bound(tmp_path):
+    """ZeRO-2, 2 processes, K = 2, b = 7 (14 per rank and step, the expected 8), a seed whose draws exceed it: every
+    micro-batch the LightningModule saw holds at most 7 examples, the truncated step holds exactly 14, and the
+    ledger records b, K and the ranks' sizes with ε including the truncation."""
+    from harness import run_cases
+
+    n, batch, k, b, steps = 64, 4, 2, 7, 4
+    q = batch * 2 * k / n
+    seed, rank, step = _seed_that_binds(n, q, 2, k, b, steps)
+    case = dict(name="bound", model="token", n=n, batch_size=batch, lr=0.1, steps=steps, sigma=3.0, C=1.0,
+                clipping="all-layer", clipping_fn="abadi", poisson=True, accumulate=k, stage=2, seed=seed,
+                delta=0.5, max_micro_batch_size=b)
+    res = run_cases([case], tmp_path, 2)["bound"]
+    for seen in res["seen"]:
+        assert seen and max(len(idx) for _, idx in seen) <= b
+    truncated = [idx for s, idx in res["seen"][rank] if s == step]
+    assert sum(len(idx) for idx in truncated) == k * b
+    entry = res["ledger"]["entries"][0]
+    assert (entry["max_micro_batch_size"], entry["accumulate_grad_batches"], entry["rank_sizes"]) == (b, k, [32, 32])
+    ledger = PrivacyLedger.from_dict(res["ledger"])
+    assert ledger.epsilon_bound().truncation_delta > 0
+    assert res["plan"]["micro_batch_bound"] == MicroBatchBound(b, k, (32, 32))
+
+
+def test_a_fabric_loop_never_exceeds_the_bound():
+    """One process, Fabric: the same with K = 1, b = 14 (the expected 8)."""
+    import torch
+    from lightning.fabric import Fabric
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dpzero import DPFabricStrategy
+
+    n, batch, b = 64, 8, 14
+    seed, _, step = _seed_that_binds(n, batch / n, 1, 1, b, 8)
+    strategy = DPFabricStrategy(stage=2, noise_multiplier=5.0, seed=seed, delta=0.5, max_epochs=1,
+                                max_micro_batch_size=b)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch))
+    sizes = []
+    for x, y in loader:
+        sizes.append(len(x))
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert max(sizes) <= b and sizes[step] == b
+    entry = strategy.ledger.entries[0]
+    assert entry.micro_batch_bound == MicroBatchBound(b, 1, (n,)) and entry.steps == len(sizes)
