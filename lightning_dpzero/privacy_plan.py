@@ -195,7 +195,7 @@ def check_truncation(bound: MicroBatchBound, q: float, steps: int, delta: float,
         f"{p / steps:.3g} per step, and over the planned {steps} steps the truncation would take (1 + e^ε)·p(T) = "
         f"{share:.3g} (ε = {epsilon:.4g}): more than half of delta={delta:g}. Use max_micro_batch_size >= {smallest} "
         f"(the expected micro-batch is {expected:.3g}), or raise accumulate_grad_batches (with a smaller "
-        "DataLoader batch_size), or train fewer steps, or leave max_micro_batch_size unset. Nothing was trained.")
+        "DataLoader batch_size), or train fewer steps, or leave max_micro_batch_size unset.")
 
 
 def rank_zero_warn(message: str) -> None:

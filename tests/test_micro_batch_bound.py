@@ -246,7 +246,7 @@ def test_a_bound_taking_over_half_of_delta_is_refused_naming_the_smallest_that_f
              for b in (smallest - 1, smallest)]
     assert share[0] > DELTA / 2 >= share[1]
     with pytest.raises(ValueError, match=rf"max_micro_batch_size=64 is too small.*max_micro_batch_size >= "
-                                         rf"{smallest} .*Nothing was trained"):
+                                         rf"{smallest} .*unset"):
         plan_run(n, batch, devices=world, accumulate_grad_batches=k, max_epochs=3, target_epsilon=target,
                  max_micro_batch_size=64)
     run = plan_run(n, batch, devices=world, accumulate_grad_batches=k, max_epochs=3, target_epsilon=target,
@@ -400,3 +400,14 @@ def test_a_fabric_loop_never_exceeds_the_bound():
     assert max(sizes) <= b and sizes[step] == b
     entry = strategy.ledger.entries[0]
     assert entry.micro_batch_bound == MicroBatchBound(b, 1, (n,)) and entry.steps == len(sizes)
+
+
+def test_calibration_passes_sigmas_at_which_the_truncation_leaves_no_epsilon():
+    """At ε = 8 the truncation's (1 + e^ε)·p(T) is large, and at the untruncated σ no ε meets δ (ε = inf there):
+    the calibration treats that as too little noise and still meets the target (the docs' worked example)."""
+    run = plan_run(60_000, 256, max_epochs=3, target_epsilon=8.0, delta=1e-5, max_micro_batch_size=374)
+    plan = run.plan
+    ledger = PrivacyLedger(plan.delta, plan.dataset_size)
+    ledger.charge(plan.sample_rate, plan.noise_multiplier, steps=plan.planned_steps, bound=plan.micro_batch_bound)
+    assert 8.0 * 0.99 <= ledger.epsilon() == run.epsilon_pld <= 8.0
+    assert plan.noise_multiplier > plan_run(60_000, 256, max_epochs=3, target_epsilon=8.0).plan.noise_multiplier

@@ -201,7 +201,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
             if sigma <= SIGMA_MIN:
                 return _met_at_minimum(te, e, q, steps, delta)
             hi, e_hi = sigma, e
-        if e > 0:
+        if 0 < e < math.inf:  # inf: the truncation's share has no ε at this σ (a lower end, no secant point)
             points.append((math.log(sigma), math.log(e)))
         # epsilon jumps slightly where the PLD grid changes with sigma; stop once the bracket is tight
         if lo is not None and hi / lo - 1.0 < 1e-6 and e_hi >= te * (1.0 - rtol):
