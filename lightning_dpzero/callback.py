@@ -311,6 +311,10 @@ class PrivacyAccountantCallback(Callback):
         line = (f"DP-SGD: sigma={plan.noise_multiplier!r} ({how}), q={plan.sample_rate:.6g}, expected batch "
                 f"{plan.expected_batch_size:g}, {steps}, {target}, delta={plan.delta:g}, N={plan.dataset_size} "
                 f"({plan.accountant}, {'Poisson' if plan.sampler_kind == 'poisson' else 'shuffled batches'})")
+        bound = plan.micro_batch_bound
+        if bound is not None:
+            share = "" if plan.truncation_delta is None else f", taking {plan.truncation_delta:.3g} of delta"
+            line += f"; micro-batches of at most {bound.max_micro_batch_size} (truncation accounted{share})"
         if ledger is not None and ledger.steps:
             line += f"; continuing a ledger of {ledger.steps} steps (epsilon={self.epsilon():.6g})"
         return line

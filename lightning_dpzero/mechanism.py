@@ -38,7 +38,7 @@ from ._collectives import Collectives, SingleProcess
 from ._micro_batch import logging_suppressed, non_finite_loss_message, zero_loss
 from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
-from .accounting.truncation import MicroBatchBound
+from .accounting.truncation import MicroBatchBound, check_max_micro_batch_size
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
@@ -124,11 +124,7 @@ class DPMechanism:
         self._noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.seed, self.secure_mode, self.poisson_sampling = seed, secure_mode, poisson_sampling
-        if max_micro_batch_size is not None and (isinstance(max_micro_batch_size, bool) or not isinstance(
-                max_micro_batch_size, int) or max_micro_batch_size < 1):
-            raise ValueError(f"max_micro_batch_size must be an integer >= 1 (the most examples one micro-batch may "
-                             f"hold) or None (unbounded), got {max_micro_batch_size!r}.")
-        self.max_micro_batch_size = max_micro_batch_size
+        self.max_micro_batch_size = check_max_micro_batch_size(max_micro_batch_size)
         self._base_seed = seed  # the seed given (or drawn at attach); every stream seed is derived from it
         self.accounting = AccountingSettings()
         self.plan: Optional[PrivacyPlan] = None      #: fixed by fix_plan / use_plan
@@ -232,9 +228,8 @@ class DPMechanism:
         A plan fixed again (a reloaded loader) keeps the σ of the first."""
         sampler = loader.batch_sampler
         settings = self.accounting
-        bound = None  # fixed-size batches are never truncated (a b below them was refused with the loader)
-        if self.max_micro_batch_size is not None and sampler.sampler_kind == "poisson":
-            bound = MicroBatchBound(self.max_micro_batch_size, accumulate_grad_batches, sampler.rank_sizes)
+        b = self.max_micro_batch_size if sampler.sampler_kind == "poisson" else None  # fixed-size: never cut
+        bound = None if b is None else MicroBatchBound(b, accumulate_grad_batches, sampler.rank_sizes)
         plan = PrivacyPlan.build(
             dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
             accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,

@@ -123,7 +123,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
         (True, 702, 0.5)
     """
     from .accounting import BudgetGuard, PrivacyLedger, epsilon_for
-    from .accounting.truncation import MicroBatchBound, rank_sizes_of
+    from .accounting.truncation import MicroBatchBound, check_max_micro_batch_size, rank_sizes_of
     from .privacy_plan import PrivacyPlan, limited_micro_batches
 
     world = int(devices) * int(num_nodes)
@@ -133,10 +133,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
                                   limit_train_batches)
     sampler = "poisson" if poisson_sampling else "shuffle"
     bound = None
-    if max_micro_batch_size is not None:
-        if isinstance(max_micro_batch_size, bool) or int(max_micro_batch_size) != max_micro_batch_size \
-                or max_micro_batch_size < 1:
-            raise ValueError(f"max_micro_batch_size must be an integer >= 1, got {max_micro_batch_size!r}.")
+    if check_max_micro_batch_size(max_micro_batch_size) is not None:
         if not poisson_sampling and max_micro_batch_size < batch_size:
             raise ValueError(f"max_micro_batch_size={max_micro_batch_size} is below batch_size={batch_size}, "
                              "which poisson_sampling=False puts in every micro-batch.")
