@@ -232,7 +232,8 @@ def _lines(run: PlannedRun) -> list[str]:
            f"noise multiplier sigma: {p.noise_multiplier!r}  ({sigma_note})"]
     for acc, eps in (("pld", run.epsilon_pld), ("rdp", run.epsilon_rdp)):
         if eps is not None:
-            out.append(f"epsilon ({acc}):          {format_epsilon(eps, p.micro_batch_bound is not None)}  (after {p.planned_steps} steps){mark[acc]}")
+            shown = format_epsilon(eps, p.micro_batch_bound is not None)
+            out.append(f"epsilon ({acc}):          {shown}  (after {p.planned_steps} steps){mark[acc]}")
     bound = p.micro_batch_bound
     if bound is not None:
         share = "" if p.truncation_delta is None else (

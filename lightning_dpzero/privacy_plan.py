@@ -192,8 +192,9 @@ def check_truncation(bound: MicroBatchBound, q: float, steps: int, delta: float,
     raise ValueError(
         f"max_micro_batch_size={bound.max_micro_batch_size} is too small for this run: a rank's Poisson sample of "
         f"a step exceeds accumulate_grad_batches {k} x {bound.max_micro_batch_size} examples with probability up to "
-        f"{min(p / steps, 1.0):.3g} per step, and over the planned {steps} steps the truncation would take (1 + e^ε)·p(T) = "
-        f"{share:.3g} (ε = {epsilon:.4g}): more than half of delta={delta:g}. Use max_micro_batch_size >= {smallest} "
+        f"{min(p / steps, 1.0):.3g} per step, and over the planned {steps} steps the truncation would take "
+        f"(1 + e^ε)·p(T) = {share:.3g} (ε = {epsilon:.4g}): more than half of delta={delta:g}. Use "
+        f"max_micro_batch_size >= {smallest} "
         f"(the expected micro-batch is {expected:.3g}), or raise accumulate_grad_batches (with a smaller "
         "DataLoader batch_size), or train fewer steps, or leave max_micro_batch_size unset.")
 

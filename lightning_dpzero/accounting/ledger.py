@@ -1,8 +1,8 @@
 """The privacy ledger: the source of truth for epsilon.
 
 A ledger is an ordered list of runs of identical DP-SGD steps ``(q, sigma, steps, sampler)`` (with bounded
-micro-batches also b, K and each rank's number of examples) plus fixed metadata (delta, dataset size N, accountant, run id) and a SHA-256 hash chain over the entries
-and the metadata. Epsilon is always recomputed from the entries with dp-accounting
+micro-batches also b, K and each rank's number of examples) plus fixed metadata (delta, dataset size N,
+accountant, run id) and a SHA-256 hash chain over the entries and the metadata. Epsilon is always recomputed from the entries with dp-accounting
 (see :mod:`lightning_dpzero.accounting.accountants`); it is never stored as a number to trust.
 
 The hash chain is tamper-*evidence* against hand edits and corruption (a changed step count, sigma,
@@ -57,7 +57,7 @@ class LedgerEntry:
 
     Example:
         >>> LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500)  # doctest: +ELLIPSIS
-        LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500, sampler='poisson', max_micro_batch_size=None, ...)
+        LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500, sampler='poisson', ...)
     """
 
     sample_rate: float
