@@ -411,3 +411,18 @@ def test_calibration_passes_sigmas_at_which_the_truncation_leaves_no_epsilon():
     ledger.charge(plan.sample_rate, plan.noise_multiplier, steps=plan.planned_steps, bound=plan.micro_batch_bound)
     assert 8.0 * 0.99 <= ledger.epsilon() == run.epsilon_pld <= 8.0
     assert plan.noise_multiplier > plan_run(60_000, 256, max_epochs=3, target_epsilon=8.0).plan.noise_multiplier
+
+
+def test_runs_with_different_bounds_sum_their_truncation():
+    """A resume on another world size opens a new run with its own bound (other rank sizes): p(T) is the sum of
+    each run's steps times its own per-step probability, and ε takes it from δ once."""
+    from lightning_dpzero.accounting.accountants import truncation_probability
+
+    first, second = MicroBatchBound(4, 2, (50, 50)), MicroBatchBound(4, 2, (25, 25, 25, 25))
+    ledger = PrivacyLedger(0.5, 100)
+    ledger.charge(0.1, 2.0, steps=3, bound=first)
+    ledger.charge(0.1, 2.0, steps=5, bound=second)
+    assert len(ledger.entries) == 2
+    p = 3 * first.exceed_probability(0.1) + 5 * second.exceed_probability(0.1)
+    assert truncation_probability(ledger.entries) == pytest.approx(p, rel=1e-12)
+    assert ledger.epsilon_bound().truncation_delta == pytest.approx(truncation_share(ledger.epsilon(), p), rel=1e-9)
