@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+#: σ and C of every DP configuration of the step-time benchmarks
+SIGMA, CLIP = 1.0, 1.0
 
 
 def median(xs: Iterable[float]) -> float:
@@ -178,3 +180,10 @@ def write_json(path: Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def close_run(res: dict, out, t_start: float) -> None:
+    """Stamp a finished run's results (wall seconds since ``t_start``, the machine after it) and write them."""
+    res["wall_s"] = time.time() - t_start
+    res["machine_after"] = machine_info()
+    write_json(out, res)

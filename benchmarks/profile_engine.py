@@ -49,10 +49,10 @@ def instrument() -> None:
             if cls in seen or cls is object:
                 continue
             seen.add(cls)
-            for meth in ("grad_input", "norm_sq", "clipped_grads", "per_example", "_rows", "_per_example",
-                         "_segments", "_native", "forward"):
+            for meth in ("grad_input", "norm_sq", "clipped_grads", "add_clipped_grads", "per_example", "_rows",
+                         "_per_example", "_segments", "_native", "forward"):
                 wrap(cls, meth, f"dpzero.{cls.__name__}.{meth}")
-    for meth in ("_on_backward", "_complete", "_clipped", "finalize", "_forward"):
+    for meth in ("_on_backward", "_complete", "_clipped", "_write_clipped", "finalize", "_forward"):
         wrap(engine_mod.PerSampleEngine, meth, f"dpzero.engine.{meth}")
 
 

@@ -2,14 +2,15 @@
 
 Usage::
 
-    python -m benchmarks.run                    # per-layer, engine profile, step time (~15 min on 2 idle
-                                                # cores), then render
+    python -m benchmarks.run                    # per-layer, engine profile, step time, ε accuracy, scaling
+                                                # grid, largest model (~2 h on 2 shared cores), render
     python -m benchmarks.run --render-only      # re-render docs/benchmarks.md from the committed JSON
     python -m benchmarks.run --skip-per-layer   # step time only (per-layer JSON reused)
 
 Every flag of ``benchmarks.step_time`` can follow ``--`` (e.g. ``-- --steps 4 --models gpt``).
 Outputs: ``benchmarks/results/per_layer_cpu.json``, ``per_layer_rnn_cpu.json``, ``profile_engine_cpu.json``,
-``step_time_cpu.json``, ``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
+``step_time_cpu.json``, ``epsilon_accuracy.json``, ``scaling_cpu.json``, ``largest_model_cpu.json``,
+``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
 ``benchmarks/results/step_time_profile_cpu.json`` (a ``step_time --profile`` run) and the hand-written
 ``benchmarks/results/analysis.md`` when they exist. The page opens with a summary in words, generated from
 the step-time JSON.
@@ -19,27 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
-from benchmarks import per_layer, profile_engine, step_time
+from benchmarks import epsilon_accuracy, largest_model, per_layer, profile_engine, scaling, step_time
 from benchmarks.common import RESULTS, load_average, md_table
+from benchmarks.report import TARGET_NOTES, model_line, summary, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 PNG = RESULTS / "step_time_cpu.png"
-
-#: the project's performance targets: (label, how it is read from the results, bound)
-TARGET_NOTES = """\
-The project's performance targets, read from the tables above (all ratios are to a non-DP baseline
-measured in the same run). "floor" is 1 + min(T(d+p), d·p)/(3·d·p) per Linear, FLOP-weighted over the model: the cost of
-a per-example norm pass on top of the layer's forward and backward. It bounds the norm-pass-then-clipped-
-matmul paths (ghost, instantiate); layer-wise clipping can go below it where the engine's cost model picks
-instantiate-and-reuse (per-example gradients formed once, reused for the clipped sum: no second matmul).
-All-layer and group-wise sites spanning layers never reuse, so the floor still bounds them."""
-
 
 def _load(path: Path):
     return json.loads(path.read_text()) if path.exists() else None
@@ -82,127 +72,52 @@ def plot(st: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _get(st: dict, name: str) -> dict:
-    return next((r for r in st["results"] if r["name"] == name and "error" not in r), {})
-
-
-def targets(st: dict) -> str:
-    """The performance targets against what was measured (rows only for what ran). Time ratios are CPU-time
-    ratios (robust to other jobs on a shared machine), with the wall-clock ratio beside them."""
-    rows = []
-
-    def verdict(v, bound):
-        return "–" if v is None or v != v else ("met" if v <= bound else "**missed**")
-
-    def add(label, bound, r, floor):
-        if not r or "cpu_ratio" not in r:
-            return
-        rows.append([label, f"≤ {bound}", f"{r['cpu_ratio']:.3f}", f"{r['time_ratio']:.3f}",
-                     None if floor is None else f"{floor:.3f}", verdict(r["cpu_ratio"], bound)])
-
-    f = st["facts"]
-    for s in (0, 1, 2, 3):
-        add(f"DP/non-DP, layer-wise, GPT d {st['args']['d_model']}, ZeRO-{s}", 1.25, _get(st, f"gpt/zero{s}/layer"),
-            f.get("gpt", {}).get("floor"))
-    add("DP/non-DP, all-layer, GPT, ZeRO-3", 1.35, _get(st, "gpt/zero3/all"), f.get("gpt", {}).get("floor"))
-    add("DP/non-DP, all-layer, CNN, ZeRO-3", 1.35, _get(st, "cnn/zero3/all"), f.get("cnn", {}).get("floor"))
-    for r in st["results"]:
-        if r["model"] == "gpt-lora" and r["method"] != "nondp":
-            add(f"LoRA DP/non-DP ({r['name']})", 1.05, _get(st, r["name"]), f["gpt-lora"]["floor"])
-    for model in ("gpt", "cnn"):
-        hooks = _get(st, f"{model}/1proc/opacus-hooks")
-        for ours in ("ours-all", "ours-layer"):
-            o = _get(st, f"{model}/1proc/{ours}")
-            if hooks and o:
-                v = o["cpu_median_s"] / hooks["cpu_median_s"]
-                rows.append([f"ours ({ours}) / Opacus hooks, {model}, 1 process", "≤ 0.62", f"{v:.3f}",
-                             f"{o['median_s'] / hooks['median_s']:.3f}", None, verdict(v, 0.62)])
-    for r in st["results"]:
-        if r["method"] == "nondp" or "rss_growth_ratio" not in r or r["kind"] != "lightning":
-            continue
-        rows.append([f"peak memory growth, {r['name']}", "≤ 1.15", f"{r['rss_growth_ratio']:.3f}", None, None,
-                     verdict(r["rss_growth_ratio"], 1.15) + f" (absolute peak RSS ×{r['rss_peak_ratio']:.3f})"])
-    return md_table(["target", "bound", "measured (CPU time / RSS growth)", "wall-clock ratio", "floor",
-                     "verdict"], rows)
-
-
-def _span(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
-
-
-#: how the summary names the models and clipping methods of ``benchmarks.step_time``
-_MODEL_WORDS = {"gpt": "GPT-style decoder", "gpt-lora": "The same decoder with LoRA adapters", "cnn": "Small CNN"}
-_METHOD_WORDS = {"layer": "layer-wise clipping (the default)", "all": "all-layer clipping",
-                 "group": "group-wise clipping", "layer-auto": "layer-wise clipping, automatic function"}
-_SINGLE_WORDS = {"ours-layer": "lightning-dpzero's engine layer-wise", "ours-all": "lightning-dpzero's engine all-layer",
-                 "opacus-hooks": "Opacus 1.6 hooks", "opacus-ghost": "Opacus 1.6 ghost clipping",
-                 "naive": "a backward per example", "func": "torch.func vmap(grad)"}
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
-
-
-def summary(st: dict) -> str:
-    """What DP costs against non-DP, per model and clipping method, in words (from the step-time JSON)."""
-    ok = [r for r in st["results"] if "error" not in r and "cpu_ratio" in r and r["method"] != "nondp"]
-    lines = [
-        "What DP-SGD costs against the same training without DP, measured on "
-        f"{st['machine_before'].get('cpu_count')} CPU cores: the CPU time of one optimizer step and the peak "
-        "memory of a process, each as a ratio to a non-DP run of the same model, ZeRO stage and batch in the "
-        "same run (1.20× = 20% more). Read the GPT's time ratios to about ±0.03 and the CNN's, whose steps are "
-        "short, to about ±0.3 (*Reading the results* below).",
+def scaling_section(sc: dict) -> str:
+    a = sc["args"]
+    return "\n".join([
+        "## Cost against width, length and batch",
         "",
-    ]
-    for model in ("gpt", "gpt-lora", "cnn"):
-        rows = [r for r in ok if r["model"] == model and r["kind"] == "lightning"]
-        if not rows:
-            continue
-        fact = st["facts"][model]
-        size = f"{_count(fact['psi'])} parameters" + (f", {_count(fact['psi_trainable'])} trainable"
-                                                     if fact["psi_trainable"] != fact["psi"] else "")
-        lines.append(f"* **{_MODEL_WORDS.get(model, model)}** ({size}), Lightning + DeepSpeed, "
-                     f"{rows[0]['world']} processes:")
-        for method in dict.fromkeys(r["method"] for r in rows):
-            mine = [r for r in rows if r["method"] == method]
-            stages = "/".join(str(r["stage"]) for r in mine)
-            lines.append(f"    * {_METHOD_WORDS.get(method, method)}, ZeRO-{stages}: "
-                         f"{_span([r['cpu_ratio'] for r in mine])} the time, "
-                         f"{_span([r['rss_peak_ratio'] for r in mine])} the peak memory")
-    for model in ("gpt", "cnn"):
-        rows = [r for r in ok if r["model"] == model and r["kind"] == "single"]
-        if rows:
-            lines.append(f"* **{_MODEL_WORDS[model]}, one process** (a plain PyTorch loop, no DeepSpeed), the time "
-                         "against non-DP: " + "; ".join(f"{_SINGLE_WORDS.get(r['method'], r['method'])} "
-                                                        f"{r['cpu_ratio']:.2f}×" for r in rows) + ".")
-    lines += [
+        f"`python -m benchmarks.scaling`: the GPT-style decoder with {a['layers']} blocks, d/64 heads, ZeRO-{a['stage']}, "
+        f"{a['world']} processes × micro-batch B, {a['warmup']} warm-up step then {a['steps']} timed steps (median), "
+        "each configuration's non-DP baseline launched just before it; the DP columns are CPU-time and peak-RSS "
+        f"ratios to that baseline. A watchdog kills a configuration above {a['rss_limit_mb']:.0f} MB per process. "
+        "With so few timed steps on a shared machine read the ratios to about ±0.1 (a DP step cannot be faster "
+        "than its non-DP baseline: ratios below 1 are that noise). "
+        f"Predicted {sc['estimate_s'] / 60:.0f} min with a free core per process; took "
+        + (f"{sc['wall_s'] / 60:.0f} min on the shared machine." if "wall_s" in sc else "(interrupted run)."),
         "",
-        "Layer-wise clipping adds the least memory: each layer clips inside its own backward. All-layer and "
-        "group-wise clipping keep every layer's output gradients until the end of the backward pass. Which "
-        "style is faster depends on the model's layers (compare the rows above). Small models with short "
-        "steps pay relatively more for the fixed work of a DP step (accounting, per-layer book-keeping). These "
-        "are CPU measurements; GPU numbers are not measured yet.",
-    ]
-    return "\n".join(lines)
+        scaling.render(sc),
+    ])
 
 
-def model_line(a: dict, f: dict) -> str:
-    """One sentence describing the benchmarked models."""
-    parts = []
-    if "gpt" in f:
-        g = (f"GPT-style decoder: vocab {a['vocab']}, d_model {a['d_model']}, {a['heads']} heads, {a['layers']} "
-             f"blocks, T {a['seq']}, Ψ = {f['gpt']['psi']:,} parameters")
-        if "gpt-lora" in f:
-            g += f"; with LoRA rank {a['lora_rank']} on q and v, {f['gpt-lora']['psi_trainable']:,} trainable"
-        parts.append(g)
-    if "cnn" in f:
-        parts.append(f"CNN: 3 Conv2d+GroupNorm+ReLU stages ({a['cnn_channels']}, {2 * a['cnn_channels']}, "
-                     f"{2 * a['cnn_channels']} channels, 32×32 inputs) and a Linear head, Ψ = {f['cnn']['psi']:,}")
-    return ". ".join(parts) + "."
+def largest_section(lm: dict) -> str:
+    a = lm["args"]
+    return "\n".join([
+        "## The largest model that trains",
+        "",
+        f"`python -m benchmarks.largest_model`: the widest GPT-style decoder ({a['layers']} blocks, head size 32, "
+        f"T {a['seq']}, micro-batch {a['batch']} per process, {a['world']} processes, Adam, fp32) that trains one "
+        f"step with every process's peak RSS within **{a['budget_mb']:.0f} MB** (libraries included: a tiny model "
+        f"already takes {lm['footprint_mb']:.0f} MB), found by search on multiples of 32 starting at the width the "
+        "ZeRO formula predicts (fp32 Adam: 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer states per replica, "
+        "partitioned by the stage); a watchdog kills a trial once a process crosses the budget. Offload moves "
+        "the optimizer states and parameters to CPU memory, which on this CPU-only machine is the same memory, "
+        "so it cannot raise the limit here; it shows that DP trains with offload what non-DP does. Cells: "
+        "width / Ψ / peak RSS per process. One width step is 3–4% of Ψ here, and the same trial's peak moves by "
+        "about ±40 MB between launches, so a DP maximum one step above non-DP's is that noise. The last column "
+        "is the formula's model states at non-DP's maximum plus the tiny model's footprint: what the formula "
+        "leaves out (activations, DeepSpeed's flat copies and buckets, allocator slack) is the rest of the "
+        "budget."
+        + (f" Took {lm['wall_s'] / 60:.0f} min, {len(lm['trials'])} trials." if "wall_s" in lm else
+           " (interrupted run: the stages it reached)"),
+        "",
+        largest_model.render(lm),
+    ])
 
 
 def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None = None) -> str:
+    sc, lm = _load(RESULTS / "scaling_cpu.json"), _load(RESULTS / "largest_model_cpu.json")
+    eps = _load(RESULTS / "epsilon_accuracy.json")
     m = (st or pl)["machine_before"]
     after = (st or pl).get("machine_after", {})
     parts = [
@@ -222,7 +137,16 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         command,
         "```",
         "",
-        "On a GPU (not measured yet): `bash benchmarks/gpu.sh` on the GPU machine after "
+        "It runs, one after the other (each also alone): the per-layer micro-benchmarks "
+        "(`python -m benchmarks.per_layer`), the engine profile (`python -m benchmarks.profile_engine`), whole "
+        "training steps (`python -m benchmarks.step_time`), the ε accuracy (`python benchmarks/epsilon_accuracy.py "
+        "--no-fixed --out benchmarks/results/epsilon_accuracy.json`), the scaling grid (`python -m "
+        "benchmarks.scaling`) and the largest-model search (`python -m benchmarks.largest_model`), then renders "
+        "this page; `--skip-scaling`, `--skip-largest` and the other `--skip-*` flags leave a part's committed "
+        "results as they are.",
+        "",
+        "GPU figures are not measured yet: `bash benchmarks/gpu.sh` runs the same step-time cases at GPT-2-small "
+        "width on one GPU, after "
         "`bash benchmarks/gpu.sh --prepare-wheels` on a machine with the repository (see the script's header); "
         "`bash benchmarks/gpu.sh --smoke` runs the same script on the CPU with a tiny model (a few minutes).",
         "",
@@ -250,6 +174,7 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             model_line(a, f),
             "",
             f"Lightning + DeepSpeed runs: {a['world']} processes × micro-batch {a['batch']} (GPT), "
+            + (f"{a['wide_batch']} (gpt-wide), " if "gpt-wide" in f else "") +
             f"{a.get('cnn_batch') or a['batch']} (CNN) "
             f"({a['threads_per_proc']} thread each), Adam, precision {a['precision']}, σ = {st['sigma']}, "
             f"C = {st['C']}, `poisson_sampling=False`. One-process runs: batch "
@@ -275,9 +200,13 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             "",
             TARGET_NOTES,
             "",
-            targets(st),
+            targets(st, sc, lm, eps),
             "",
         ]
+    if sc:
+        parts += [scaling_section(sc), ""]
+    if lm:
+        parts += [largest_section(lm), ""]
     analysis = RESULTS / "analysis.md"
     if analysis.exists():
         parts += [analysis.read_text().rstrip(), ""]
@@ -357,6 +286,11 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-per-layer", action="store_true")
     ap.add_argument("--skip-step-time", action="store_true")
     ap.add_argument("--skip-profile", action="store_true", help="skip benchmarks.profile_engine (about a minute)")
+    ap.add_argument("--skip-epsilon", action="store_true", help="skip benchmarks/epsilon_accuracy.py (~1.5 min)")
+    ap.add_argument("--skip-scaling", action="store_true",
+                    help="skip benchmarks.scaling (16 min predicted on 2 idle cores; 45 on a shared machine)")
+    ap.add_argument("--skip-largest", action="store_true",
+                    help="skip benchmarks.largest_model (about 40 trials of 30-70 s)")
     ap.add_argument("rest", nargs="*", help="flags for benchmarks.step_time, after --")
     args = ap.parse_args(argv)
     pl_path, st_path = RESULTS / "per_layer_cpu.json", RESULTS / "step_time_cpu.json"
@@ -371,6 +305,12 @@ def main(argv=None) -> None:
             profile_engine.main(["--layers-too", "--out", str(RESULTS / "profile_engine_cpu.json")])
         if not args.skip_step_time:
             step_time.main(args.rest + ["--out", str(st_path)])
+        if not args.skip_epsilon:
+            epsilon_accuracy.main(["--no-fixed", "--out", str(RESULTS / "epsilon_accuracy.json")])
+        if not args.skip_scaling:
+            scaling.main(["--out", str(RESULTS / "scaling_cpu.json")])
+        if not args.skip_largest:
+            largest_model.main(["--out", str(RESULTS / "largest_model_cpu.json")])
         print(f"total {time.time() - t0:.0f} s; load average after: {load_average()}", flush=True)
     pl = json.loads(pl_path.read_text()) if pl_path.exists() else None
     st = json.loads(st_path.read_text()) if st_path.exists() else None

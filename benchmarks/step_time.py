@@ -1,6 +1,7 @@
 """Whole-step time and memory of DP training against non-DP, one process launch per configuration.
 
-Two groups of configurations per model (the GPT-style decoder and the small CNN of ``benchmarks.models``):
+Two groups of configurations per model (the GPT-style decoder, the same at GPT-2-small width with two blocks
+("gpt-wide", Lightning runs only) and the small CNN of ``benchmarks.models``):
 
 * **Lightning + DeepSpeed, W processes** (W = 2 on the CPU, launched like ``torchrun``: MASTER_ADDR/PORT,
   RANK, LOCAL_RANK, WORLD_SIZE in the environment, so Lightning does not relaunch): the non-DP baseline is
@@ -28,41 +29,55 @@ Usage::
 
     python -m benchmarks.step_time [--models gpt,cnn] [--only REGEX] [--steps 5] [--warmup 2]
     python -m benchmarks.step_time --list          # the configurations, without running them
+
+The workers are ``benchmarks.ds_worker`` (Lightning + DeepSpeed) and ``benchmarks.single_worker`` (one
+process); ``benchmarks.launch`` starts them and merges the ranks' results.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import (RESULTS, machine_info, md_table, median, peak_rss_bytes, reset_peak_rss,
-                               rss_bytes, write_json)
-from benchmarks.models import (build_model, linear_shapes, loss_fn, make_data, model_floor, param_count,
-                               zero_model_states)
-
-SIGMA, CLIP = 1.0, 1.0
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import CLIP, RESULTS, SIGMA, machine_info, md_table, write_json  # noqa: F401 (re-exported)
+from benchmarks.launch import ROOT, launch  # noqa: F401 (re-exported: benchmarks.gpu launches through here)
+from benchmarks.models import build_model, linear_shapes, make_data, model_floor, param_count, zero_model_states
 
 
 # ===================================================================================== configurations
 def model_kwargs(model: str, args) -> dict:
+    if model == "gpt-wide":  # GPT-2-small width, few blocks: the d 768 targets
+        return dict(vocab=args.vocab, d_model=args.wide_d_model, heads=args.wide_heads, layers=args.wide_layers,
+                    seq=args.wide_seq)
     if model.startswith("gpt"):
         kw = dict(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers, seq=args.seq)
         if model == "gpt-lora":
             kw["lora_rank"] = args.lora_rank
         return kw
     return dict(channels=args.cnn_channels, image=32, classes=10)
+
+
+#: the strategy settings of each DP method name (``nondp``: Lightning's own DeepSpeedStrategy)
+METHODS = {"nondp": {}, "layer": dict(clipping="layer-wise", clipping_fn="abadi"),
+           "all": dict(clipping="all-layer", clipping_fn="abadi")}
+
+
+def lightning_case(group: str, method: str, *, model: str, model_kw: dict, stage: int, world: int, batch: int,
+                   warmup: int, steps: int, threads: int = 1, precision: str = "32-true", accelerator: str = "cpu",
+                   accumulate: int = 1, profile: bool = False, **kw) -> dict:
+    """One Lightning + DeepSpeed configuration ``GROUP/METHOD`` against the baseline ``GROUP/nondp``; ``kw``
+    are the DP strategy's settings (``clipping``, ``clipping_fn``, ...) and ``strategy_kw`` (both strategies)."""
+    return dict(name=f"{group}/{method}", group=group, baseline=f"{group}/nondp", kind="lightning", model=model,
+                model_kw=model_kw, stage=stage, method=method, world=world, batch=batch, threads=threads,
+                precision=precision, accelerator=accelerator, accumulate=accumulate, profile=profile,
+                warmup=warmup, steps=steps, seed=0, **kw)
 
 
 def gpt_groups(layers: int) -> list[list[str]]:
@@ -78,19 +93,18 @@ def build_cases(args) -> list[dict]:
     common = dict(warmup=args.warmup, steps=args.steps, accelerator=args.accelerator, seed=0)
 
     def micro(model):
+        if model == "gpt-wide":
+            return args.wide_batch
         return args.cnn_batch if model == "cnn" and args.cnn_batch else args.batch
 
     acc = f"/acc{args.accumulate}" if args.accumulate > 1 else ""
 
     def ds(model, stage, method, **kw):
-        name = f"{model}/zero{stage}{acc}/{method}"
-        base = f"{model}/zero{stage}{acc}/nondp"
-        cases.append(dict(common, name=name, group=f"{model}/zero{stage}{acc}", baseline=base, kind="lightning",
-                          accumulate=args.accumulate,
-                          profile=args.profile,
-                          model=model, model_kw=model_kwargs(model, args), stage=stage, method=method,
-                          world=W, batch=micro(model), threads=args.threads_per_proc,
-                          precision=args.precision, **kw))
+        cases.append(lightning_case(f"{model}/zero{stage}{acc}", method, model=model,
+                                    model_kw=model_kwargs(model, args), stage=stage, world=W, batch=micro(model),
+                                    warmup=args.warmup, steps=args.steps, threads=args.threads_per_proc,
+                                    precision=args.precision, accelerator=args.accelerator,
+                                    accumulate=args.accumulate, profile=args.profile, **kw))
 
     def single(model, method):
         cases.append(dict(common, name=f"{model}/1proc/{method}", group=f"{model}/1proc",
@@ -113,6 +127,12 @@ def build_cases(args) -> list[dict]:
             if args.lora_rank:
                 ds("gpt-lora", args.detail_stage, "nondp")
                 ds("gpt-lora", args.detail_stage, "layer", clipping="layer-wise", clipping_fn="abadi")
+        elif model == "gpt-wide":
+            for s in args.wide_stages:
+                ds("gpt-wide", s, "nondp")
+                ds("gpt-wide", s, "layer", clipping="layer-wise", clipping_fn="abadi")
+                ds("gpt-wide", s, "all", clipping="all-layer", clipping_fn="abadi")
+            continue  # no one-process runs of the wide GPT
         elif model == "cnn":
             for s in stages:
                 ds("cnn", s, "nondp")
@@ -128,440 +148,6 @@ def build_cases(args) -> list[dict]:
         cases = [c for c in cases if c["name"] in keep]
     return cases
 
-
-# ===================================================================================== worker: Lightning
-def _cpu_deepspeed_strategy():
-    """Lightning's ``DeepSpeedStrategy`` with the CPU overrides ``DPDeepSpeedStrategy`` had when these
-    results were measured (strategy.py at 4f5bd91: ``setup_environment``, ``setup_distributed``,
-    ``_setup_model_and_optimizer``), and nothing else. On a GPU every method is Lightning's own."""
-    from lightning.pytorch.accelerators import CUDAAccelerator  # not lightning_fabric's unrelated class
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-    from lightning.pytorch.strategies.ddp import DDPStrategy
-
-    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        def setup_environment(self):
-            if isinstance(self.accelerator, CUDAAccelerator):
-                return super().setup_environment()
-            DDPStrategy.setup_environment(self)
-
-        def setup_distributed(self):
-            if isinstance(self.accelerator, CUDAAccelerator):
-                return super().setup_distributed()
-            from lightning.fabric.utilities.seed import reset_seed
-            reset_seed()
-            self.set_world_ranks()
-            self._init_deepspeed_distributed()
-
-        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
-            if isinstance(self.accelerator, CUDAAccelerator):
-                return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-            import argparse as _ap
-
-            import deepspeed
-            engine, ds_opt, _, _ = deepspeed.initialize(
-                args=_ap.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-                lr_scheduler=lr_scheduler, dist_init_required=False)
-            return engine, ds_opt
-
-    return CPUDeepSpeedStrategy
-
-
-def model_state_bytes(engine) -> dict:
-    """Bytes this rank holds for parameters, gradients, optimizer states and other ZeRO buffers.
-
-    Walks the module's parameters (``data``, ZeRO-3's ``ds_tensor``, ``grad``), the base optimizer's
-    parameters (ZeRO 1–3: the fp32 partition) and states, then the ZeRO optimizer's attributes (tensors in
-    lists and dicts, two levels deep): attributes named ``*grad*`` are gradients, the rest "buffers"
-    (communication buckets, allocated with ``empty`` and so not necessarily resident). Each storage counts
-    once, in the first category that reaches it.
-    """
-    seen, cats = set(), {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
-
-    def add(t, cat):
-        if not isinstance(t, torch.Tensor):
-            return
-        try:
-            st = t.untyped_storage()
-        except Exception:  # noqa: BLE001 - meta or sparse tensors
-            return
-        key = (st.data_ptr(), st.nbytes())
-        if st.nbytes() == 0 or key in seen:
-            return
-        seen.add(key)
-        cats[cat] += st.nbytes()
-
-    def walk(obj, cat, depth):
-        if isinstance(obj, torch.Tensor):
-            add(obj, cat)
-        elif depth > 0 and isinstance(obj, (list, tuple)):
-            for o in obj:
-                walk(o, cat, depth - 1)
-        elif depth > 0 and isinstance(obj, dict):
-            for o in obj.values():
-                walk(o, cat, depth - 1)
-
-    for p in engine.module.parameters():
-        add(p.data, "params")
-        add(getattr(p, "ds_tensor", None), "params")
-        add(p.grad, "grads")
-    opt = engine.optimizer
-    base = opt
-    while hasattr(base, "optimizer") and not isinstance(base, torch.optim.Optimizer):
-        base = base.optimizer
-    if isinstance(base, torch.optim.Optimizer):
-        for group in base.param_groups:
-            for p in group["params"]:
-                add(p, "optimizer")
-                add(p.grad, "grads")
-        for state in base.state.values():
-            walk(state, "optimizer", 2)
-    if opt is not base and opt is not None:
-        for name, val in vars(opt).items():
-            walk(val, "grads" if "grad" in name.lower() else "buffers", 3)
-    cats["model_states"] = cats["params"] + cats["grads"] + cats["optimizer"]
-    return cats
-
-
-def lightning_worker(cfg: dict) -> dict:
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import lightning_dpzero  # noqa: F401  (registers the strategies)
-    from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
-
-    torch.set_num_threads(cfg["threads"])
-    total = cfg["warmup"] + cfg["steps"]
-    W, B, K = cfg["world"], cfg["batch"], cfg.get("accumulate", 1)  # a step: K micro-batches (timed together)
-    on_gpu = cfg["accelerator"] == "gpu"
-    if on_gpu:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    class Bench(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(cfg["seed"])
-            self.net = build_model("gpt" if cfg["model"].startswith("gpt") else "cnn", **cfg["model_kw"])
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return loss_fn(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-4)
-
-        def train_dataloader(self):
-            n = (total + 2) * B * W * K
-            x, y = make_data("gpt" if cfg["model"].startswith("gpt") else "cnn", n, seed=1, **cfg["model_kw"])
-            return DataLoader(TensorDataset(x, y), batch_size=B, shuffle=True, drop_last=True)
-
-    prof = None
-    if cfg.get("profile") and int(os.environ.get("RANK", "0")) == 0:
-        from benchmarks.profile_engine import instrument_strategy
-
-        instrument_strategy()
-        from torch.profiler import ProfilerActivity, profile
-
-        prof = profile(activities=[ProfilerActivity.CPU])
-
-    class StepStart(L.Callback):
-        """First callback: a step starts here (after data loading)."""
-
-        def __init__(self, t_fit):
-            self.t0 = self.c0 = None
-            self.t_fit, self.marks = t_fit, {}
-            self.rf = None
-
-        def on_train_start(self, trainer, *a):
-            self.marks["setup_s"] = time.perf_counter() - self.t_fit  # fit() call → training starts
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx % K:
-                return  # inside an accumulation window: the step started at its first micro-batch
-            if prof is not None and trainer.global_step == cfg["warmup"]:
-                prof.start()
-            if prof is not None and trainer.global_step >= cfg["warmup"]:
-                self.rf = torch.profiler.record_function("step")
-                self.rf.__enter__()
-            if on_gpu:
-                torch.cuda.synchronize()
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-
-    class StepTimer(L.Callback):
-        """Last callback: the step ends after every other callback's on_train_batch_end (the privacy
-        accountant's ε update included)."""
-
-        def __init__(self, start):
-            self.start, self.times, self.cpu, self.states = start, [], [], None
-
-        def on_before_optimizer_step(self, trainer, *a):
-            if trainer.global_step == total - 1:  # after the last backward, before its update
-                self.states = model_state_bytes(trainer.strategy.deepspeed_engine)
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if (batch_idx + 1) % K:
-                return
-            if on_gpu:
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start.t0)
-            self.cpu.append(time.process_time() - self.start.c0)
-            if self.start.rf is not None:
-                self.start.rf.__exit__(None, None, None)
-                self.start.rf = None
-
-    module = Bench()
-    start = StepStart(time.perf_counter())
-    timer = StepTimer(start)
-    callbacks = [start]
-    if cfg["method"] == "nondp":
-        strategy = _cpu_deepspeed_strategy()(stage=cfg["stage"])
-    else:
-        strategy = DPDeepSpeedStrategy(stage=cfg["stage"], noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                       clipping=cfg["clipping"], clipping_fn=cfg["clipping_fn"],
-                                       clipping_groups=cfg.get("clipping_groups"), poisson_sampling=False,
-                                       seed=1234)
-        callbacks.append(PrivacyAccountantCallback(delta=1e-5))
-    callbacks.append(timer)
-    trainer = L.Trainer(strategy=strategy, accelerator=cfg["accelerator"], devices=W, max_steps=total,
-                        precision=cfg["precision"], callbacks=callbacks, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, use_distributed_sampler=True, accumulate_grad_batches=K)
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    base = rss_bytes()
-    reset_peak_rss()
-    start.t_fit = time.perf_counter()
-    trainer.fit(module)
-    out = {"rank": trainer.global_rank, "step_s": timer.times, "cpu_s": timer.cpu, "rss_base": base,
-           "rss_peak": peak_rss_bytes(), "model_states": timer.states, **start.marks}
-    if prof is not None:
-        from benchmarks.profile_engine import summarize
-
-        prof.stop()
-        out["profile"] = summarize(prof, cfg["steps"])
-    if on_gpu:
-        out["cuda_peak"] = torch.cuda.max_memory_allocated()
-    return out
-
-
-# ===================================================================================== worker: one process
-def single_worker(cfg: dict) -> dict:
-    """One process, plain loop: ``cfg['method']`` in nondp, ours-layer, ours-all, opacus-hooks,
-    opacus-ghost, naive, func."""
-    from torch import nn
-    from torch.func import functional_call, grad, vmap
-
-    torch.set_num_threads(cfg["threads"])
-    dev = torch.device("cuda" if cfg["accelerator"] == "gpu" else "cpu")
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    kind = "gpt" if cfg["model"].startswith("gpt") else "cnn"
-    torch.manual_seed(cfg["seed"])
-    model = build_model(kind, **cfg["model_kw"]).to(dev)
-    B, total, method = cfg["batch"], cfg["warmup"] + cfg["steps"], cfg["method"]
-    x_all, y_all = make_data(kind, B * total, seed=1, **cfg["model_kw"])
-    batches = [(x_all[i * B:(i + 1) * B].to(dev), y_all[i * B:(i + 1) * B].to(dev)) for i in range(total)]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=1e-4)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def add_noise_and_scale():
-        for p in params:
-            p.grad.add_(torch.randn_like(p), alpha=SIGMA * CLIP).div_(B)
-
-    if method == "nondp":
-        def step(x, y):
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif method in ("ours-layer", "ours-all"):
-        from lightning_dpzero.per_sample import PerSampleEngine
-
-        eng = PerSampleEngine(model, CLIP, "layer-wise" if method == "ours-layer" else "all-layer").attach()
-
-        def step(x, y):
-            with eng.micro_batch(batch_size=x.shape[0]):
-                loss_fn(model(x), y).backward()
-            add_noise_and_scale()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif method.startswith("opacus"):
-        import warnings
-
-        from opacus import PrivacyEngine
-        from torch.utils.data import DataLoader, TensorDataset
-
-        warnings.filterwarnings("ignore")
-        loader = DataLoader(TensorDataset(x_all, y_all), batch_size=B)
-        pe = PrivacyEngine(accountant="prv")
-        if method == "opacus-hooks":
-            model, opt, _ = pe.make_private(module=model, optimizer=opt, data_loader=loader,
-                                            noise_multiplier=SIGMA, max_grad_norm=CLIP, poisson_sampling=False,
-                                            grad_sample_mode="hooks")
-
-            def step(x, y):
-                loss_fn(model(x), y).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        else:
-            model, opt, crit, _ = pe.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                  criterion=nn.CrossEntropyLoss(), noise_multiplier=SIGMA,
-                                                  max_grad_norm=CLIP, poisson_sampling=False,
-                                                  grad_sample_mode="ghost")
-
-            def step(x, y):
-                out = model(x)
-                if out.dim() == 3:
-                    loss = crit(out.reshape(-1, out.shape[-1]), y.reshape(-1), shape=out.shape)
-                else:
-                    loss = crit(out, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    elif method == "naive":
-        def step(x, y):
-            total_g = [torch.zeros_like(p) for p in params]
-            for i in range(x.shape[0]):
-                gs = torch.autograd.grad(loss_fn(model(x[i:i + 1]), y[i:i + 1]), params)
-                norm = torch.sqrt(sum(g.pow(2).sum() for g in gs))
-                c = (CLIP / norm.clamp_min(1e-12)).clamp(max=1.0)
-                for t, g in zip(total_g, gs):
-                    t.add_(g * c)
-            for p, t in zip(params, total_g):
-                p.grad = t
-            add_noise_and_scale()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif method == "func":
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
-        frozen.update(dict(model.named_buffers()))
-
-        def loss_one(prm, x1, y1):
-            out = functional_call(model, {**frozen, **prm}, (x1.unsqueeze(0),))
-            return loss_fn(out, y1.unsqueeze(0))
-
-        per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-
-        def step(x, y):
-            prm = {n: p.detach() for n, p in zip(names, params)}
-            gs = per_example(prm, x, y)
-            norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in gs.values()))
-            coef = (CLIP / norms.clamp_min(1e-12)).clamp(max=1.0)
-            for n, p in zip(names, params):
-                p.grad = torch.einsum("b,b...->...", coef, gs[n])
-            del gs
-            add_noise_and_scale()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    else:
-        raise ValueError(f"unknown method {method!r}")
-
-    model.train()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    base = rss_bytes()
-    reset_peak_rss()
-    times, cpu = [], []
-    for x, y in batches:
-        sync()
-        t0, c0 = time.perf_counter(), time.process_time()
-        step(x, y)
-        sync()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    out = {"rank": 0, "step_s": times, "cpu_s": cpu, "rss_base": base, "rss_peak": peak_rss_bytes(), "model_states": None}
-    if dev.type == "cuda":
-        out["cuda_peak"] = torch.cuda.max_memory_allocated()
-    return out
-
-
-# ===================================================================================== launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _warn_stale_build_locks() -> None:
-    """Killing a DeepSpeed CPU worker while it holds torch's extension-build lock leaves the lock file
-    behind, and every later DeepSpeed CPU launch on the machine (anyone's) then waits on it forever.
-    Say so; removing it is left to a person who can see that no build is running."""
-    for lock in Path.home().glob(".cache/torch_extensions/*/*/lock"):
-        print(f"WARNING: {lock} exists after killing a worker; if no compiler is running, remove it, or "
-              "every DeepSpeed CPU launch on this machine waits on it.", flush=True)
-
-
-def launch(cfg: dict, logdir: Path, timeout: float) -> dict:
-    """Run one configuration in fresh processes (``cfg['world']`` ranks for Lightning, else one);
-    returns the merged result, or ``{"error": ...}`` with the log's tail."""
-    tag = cfg["name"].replace("/", "_")
-    cfg_path = logdir / f"{tag}.json"
-    cfg_path.write_text(json.dumps(cfg))
-    n = cfg["world"] if cfg["kind"] == "lightning" else 1
-    procs, logs = [], []
-    for attempt in range(2):
-        port = _free_port()
-        procs, logs = [], []
-        for rank in range(n):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
-                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(n),
-                       OMP_NUM_THREADS=str(cfg["threads"]), PYTHONWARNINGS="ignore",
-                       PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            log = logdir / f"{tag}.rank{rank}.log"
-            logs.append(log)
-            res = logdir / f"{tag}.rank{rank}.result.json"
-            if res.exists():
-                res.unlink()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.step_time", "--worker", str(cfg_path), "--result", str(res)],
-                cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT))
-        t0 = time.time()
-        codes, first_fail = [None] * n, None
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if first_fail is None and any(c not in (None, 0) for c in codes):
-                first_fail = time.time()  # e.g. rank 0 lost the port race: the others would wait for it
-            if (first_fail is not None and time.time() - first_fail > 30) or time.time() - t0 > timeout:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-                _warn_stale_build_locks()
-                codes = [p.returncode if c is None or c == 0 else c for p, c in zip(procs, codes)]
-                codes = [c if c is not None else "killed" for c in codes]
-                if time.time() - t0 > timeout:
-                    codes.append("timeout")
-                break
-            time.sleep(0.5)
-        text = "\n".join(log.read_text(errors="replace")[-4000:] for log in logs)
-        if any(codes) and "address already in use" in text.lower() and attempt == 0:
-            continue  # lost the race for the rendezvous port: once more
-        break
-    wall = time.time() - t0
-    if any(codes):
-        return {"error": f"exit codes {codes}", "log_tail": text[-3000:], "launch_wall_s": wall}
-    ranks = [json.loads((logdir / f"{tag}.rank{r}.result.json").read_text()) for r in range(n)]
-    steps = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
-    timed = steps[cfg["warmup"]:]
-    cpu = [sum(r["cpu_s"][i] for r in ranks) for i in range(len(ranks[0]["cpu_s"]))][cfg["warmup"]:]
-    out = {"median_s": median(timed), "step_s": timed, "warmup_s": steps[:cfg["warmup"]],
-           "cpu_median_s": median(cpu), "cpu_s": cpu,
-           "rss_peak_mb": [r["rss_peak"] / 2**20 for r in ranks],
-           "rss_base_mb": [r["rss_base"] / 2**20 for r in ranks],
-           "rss_growth_mb": [(r["rss_peak"] - r["rss_base"]) / 2**20 for r in ranks],
-           "model_states": ranks[0].get("model_states"), "launch_wall_s": wall,
-           "worker_s": max(r.get("worker_s", 0.0) for r in ranks),
-           "setup_s": max(r.get("setup_s", 0.0) for r in ranks)}
-    if ranks[0].get("profile"):
-        out["profile_rank0"] = ranks[0]["profile"]
-    if "cuda_peak" in ranks[0]:
-        out["cuda_peak_mb"] = [r["cuda_peak"] / 2**20 for r in ranks]
-    return out
 
 
 def model_facts(model: str, kw: dict, world: int) -> dict:
@@ -656,7 +242,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--models", default="gpt,cnn", type=lambda s: s.split(","))
+    ap.add_argument("--models", default="gpt,gpt-wide,cnn", type=lambda s: s.split(","))
     ap.add_argument("--only", help="regular expression on configuration names (their baselines are kept)")
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--stages", default="0,2,3", type=lambda s: [int(x) for x in s.split(",")])
@@ -679,6 +265,12 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--wide-d-model", type=int, default=768, help="d_model of the gpt-wide model")
+    ap.add_argument("--wide-heads", type=int, default=12)
+    ap.add_argument("--wide-layers", type=int, default=2)
+    ap.add_argument("--wide-seq", type=int, default=256)
+    ap.add_argument("--wide-batch", type=int, default=4, help="micro-batch per process of gpt-wide")
+    ap.add_argument("--wide-stages", default="2,3", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--lora-rank", type=int, default=8, help="0: no LoRA runs")
     ap.add_argument("--cnn-channels", type=int, default=32)
     ap.add_argument("--cnn-batch", type=int, default=32, help="micro-batch per process of the CNN (0: --batch)")
@@ -696,7 +288,11 @@ def main(argv=None) -> dict:
     if args.worker:
         cfg = json.loads(Path(args.worker).read_text())
         t0 = time.time()
-        out = lightning_worker(cfg) if cfg["kind"] == "lightning" else single_worker(cfg)
+        if cfg["kind"] == "lightning":
+            from benchmarks.ds_worker import lightning_worker as work
+        else:
+            from benchmarks.single_worker import single_worker as work
+        out = work(cfg)
         out["worker_s"] = time.time() - t0  # set-up + steps, after the interpreter and imports started
         Path(args.result).write_text(json.dumps(out))
         return out

@@ -223,3 +223,40 @@ def test_group_thresholds_clip_each_group_to_its_own_bound():
     with pytest.raises(ValueError, match="above max_grad_norm"):
         PerSampleEngine(TokenModel(), max_grad_norm=0.05, clipping="group-wise", groups=groups,
                         group_max_grad_norms=[0.05, 0.05]).attach()
+
+
+def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch):
+    """The deferred writes go site by site: when a layer call's clipped sums reach ``p.grad`` its kept input and
+    output gradient are already released (no second copy of every gradient beside every site's records), a
+    Linear weight's sum is added into ``p.grad`` in place, and the result is still the oracle's."""
+    import weakref
+
+    from lightning_dpzero.per_sample.linear import LinearRule
+
+    gen = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(4, 5, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+    ref = clipped_sum(model, per_example_grads(model, nn.functional.cross_entropy, x, y), 0.1, "all-layer")
+    engine = PerSampleEngine(model, max_grad_norm=0.1, clipping="all-layer").attach()
+    sites, alive_at_write, written = [], [], []
+    original_clipped, original_write = LinearRule.clipped_grads, engine.window.write
+
+    def clipped_grads(self, site, coef, mask):
+        sites.append(weakref.ref(site))
+        return original_clipped(self, site, coef, mask)
+
+    def write(sums):
+        alive_at_write.append([ref() is not None for ref in sites])
+        sums = list(sums)
+        written.extend(id(p) for p, _ in sums)
+        original_write(sums)
+
+    monkeypatch.setattr(LinearRule, "clipped_grads", clipped_grads)
+    monkeypatch.setattr(engine.window, "write", write)
+    with engine.micro_batch(batch_size=4):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert len(sites) == 3 and alive_at_write == [[False], [False, False], [False, False, False]]
+    # each weight's sum was added into p.grad in place (one addmm), only the biases went through window.write
+    assert sorted(written) == sorted(id(model[k].bias) for k in (0, 2, 4))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)

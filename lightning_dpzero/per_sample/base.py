@@ -150,6 +150,13 @@ class LayerRule:
         """Per parameter: ``Σ_i coef_i · g_i`` (``None`` where ``mask`` is False), in ``site.g``'s dtype."""
         raise NotImplementedError
 
+    def add_clipped_grads(self, site: Site, coef: torch.Tensor, mask: list[bool],
+                          into: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """:meth:`clipped_grads` for a deferred write: where ``into`` has a tensor (the parameter's ``p.grad``,
+        full shape, contiguous, in ``site.g``'s dtype) the rule may add its sum into it in place and answer
+        ``None`` for it; every other sum is returned for the engine to write. Default: nothing in place."""
+        return self.clipped_grads(site, coef, mask)
+
     # ---- multi-input rules only (``multi_input = True``)
     def bind(self, module, x, args: tuple, kwargs: dict) -> tuple[tuple[torch.Tensor, ...], dict]:
         """Split one call ``module(x, *args, **kwargs)`` into its differentiable tensors (batch first, ``x``

@@ -161,3 +161,6 @@ class ConvRule(LinearRule):
         xin, padding = self._padded(module, x.to(g.dtype))
         dummy = torch.empty(shape, dtype=g.dtype, device=g.device)
         return _conv_backward(module, xin, dummy, gw, padding, module.groups, want_input=False)
+
+    def _add_weighted_weight(self, module, x, g, coef, into):
+        return False  # the clipped sum comes from :meth:`_weighted_weight`, then is added by the engine

@@ -48,3 +48,6 @@ class HFConv1DRule(LinearRule):
         a, gg = batch_rows(x), batch_rows(g)
         gw = (gg * coef.to(gg.dtype).view(-1, 1, 1)).reshape(-1, gg.shape[-1])
         return a.reshape(-1, a.shape[-1]).to(gg.dtype).t().mm(gw).view(param_shape(module.weight))
+
+    def _add_weighted_weight(self, module, x, g, coef, into):
+        return False  # the clipped sum comes from :meth:`_weighted_weight`, then is added by the engine

@@ -57,6 +57,13 @@ class LinearRule(LayerRule):
         a, gg = self._rows(module, x, g)
         return weighted_rows_grad(a, gg, coef).view(param_shape(module.weight))
 
+    def _add_weighted_weight(self, module, x, g, coef, into) -> bool:
+        """Add ``Σ_i coef_i G_i`` into ``into`` (the weight's gradient, ``g``'s dtype) in place, one ``addmm_``;
+        ``False`` where the layout has no such kernel (the sum is then formed by :meth:`clipped_grads`)."""
+        a, gg = self._rows(module, x, g)
+        weighted_rows_grad(a, gg, coef, out=into.view(gg.shape[-1], a.shape[-1]))
+        return True
+
     def norm_sq(self, site, mask):
         module, x, g = site.module, site.x, site.g
         w = None
@@ -89,3 +96,9 @@ class LinearRule(LayerRule):
             pb = kept[1] if kept is not None and kept[1] is not None else self._bias_rows(module, g)
             b = weighted_sum(pb, coef).to(g.dtype)
         return [w, b]
+
+    def add_clipped_grads(self, site, coef, mask, into):
+        if (mask[0] and into[0] is not None and "per_example" not in site.kept
+                and self._add_weighted_weight(site.module, site.x, site.g, coef, into[0])):
+            return [None, *self.clipped_grads(site, coef, [False, *mask[1:]])[1:]]
+        return self.clipped_grads(site, coef, mask)

@@ -10,6 +10,7 @@ and per-example tensors are fp32, clipped sums are in the output gradient's dtyp
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -48,10 +49,19 @@ def per_example_sq(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.flatten(1).float(), dim=1).pow(2)
 
 
-def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i Σ_t g_{i,t} a_{i,t}ᵀ`` as a (p, d) matrix in ``g``'s dtype: one matmul, no B×p×d tensor."""
-    gw = g * coef.to(g.dtype).view(-1, 1, 1)
-    return gw.reshape(-1, g.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]).to(g.dtype))
+def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ_i coef_i Σ_t g_{i,t} a_{i,t}ᵀ`` as a (p, d) matrix in ``g``'s dtype: one matmul, no B×p×d tensor.
+    The coefficients scale the smaller of the two factors (``a`` when d < p), one pass over B·T·min(d, p).
+    ``out`` (p, d) in ``g``'s dtype: the sum is added into it in place (one ``addmm_``, no temporary)."""
+    c = coef.to(g.dtype).view(-1, 1, 1)
+    a = a.to(g.dtype)
+    if a.shape[-1] < g.shape[-1]:
+        a = a * c
+    else:
+        g = g * c
+    g2, a2 = g.reshape(-1, g.shape[-1]).t(), a.reshape(-1, a.shape[-1])
+    return g2.mm(a2) if out is None else out.addmm_(g2, a2)
 
 
 def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,15 @@ class WindowBuffer:
         """Bytes the buffer holds now."""
         return sum(t.numel() * t.element_size() for _, t in self._held.values())
 
+    def grad_into(self, p: torch.nn.Parameter, dtype: torch.dtype, numel: int):
+        """``p.grad`` where a clipped sum in ``dtype`` of ``numel`` values may be added into it in place (what
+        :meth:`write` would do with it: nothing held, not holding), else ``None``."""
+        grad = p.grad
+        if (self.hold or id(p) in self._held or grad is None or grad.dtype != dtype or grad.numel() != numel
+                or not grad.is_contiguous()):
+            return None
+        return grad
+
     def write(self, sums: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         """Hold or write one backward's clipped sums ``(p, Σ_i coef_i g_i)``."""
         for p, grad in sums:
