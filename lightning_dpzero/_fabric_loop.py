@@ -112,7 +112,7 @@ class FabricSteps:
     def exhausted_message(self) -> str:
         ledger, plan = self.mechanism.ledger, self.mechanism.plan
         after = self.guard.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier,
-                                                   plan.sampler_kind)
+                                                   plan.sampler_kind, plan.micro_batch_bound)
         return (f"Privacy budget exhausted: after {ledger.steps} optimizer steps one more step (q = "
                 f"{plan.sample_rate:.6g}, σ = {plan.noise_multiplier:.6g}) would make ε = {after:.6g} > "
                 f"target_epsilon = {self.target_epsilon:g} (δ = {ledger.delta:g}).")
@@ -128,7 +128,7 @@ class FabricSteps:
         refuse = eps = 0.0
         if rank0:
             refuse = float(self.guard is not None and not self.guard.allows_next_step(
-                ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind))
+                ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind, plan.micro_batch_bound))
             eps = 0.0 if ledger.steps == 0 else (
                 self.guard.epsilon_upper_bound(ledger) if self.guard is not None
                 else self.tracker.epsilon(ledger, exact=False))

@@ -160,7 +160,8 @@ class PrivacyAccountantCallback(Callback):
     def _exhausted_message(self, trainer) -> str:
         ledger, plan = self.ledger, self._plan
         ask = self._ahead if self._ahead is not None else self._guard
-        after = ask.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
+        after = ask.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
+                                            plan.micro_batch_bound)
         planned = f" of the planned {plan.planned_steps}" if plan.planned_steps else ""
         return (f"Privacy budget exhausted: after {ledger.steps}{planned} optimizer steps ε = "
                 f"{self.epsilon():.6g} ({self.accountant}, δ = {self.delta:g}); one more step (q = "
@@ -186,7 +187,8 @@ class PrivacyAccountantCallback(Callback):
         if self._ahead is None:
             self._start_accounting()
         plan = self._plan
-        return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind)
+        return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
+                                   plan.micro_batch_bound)
 
     def _start_accounting(self) -> None:
         self._ahead = AccountingAhead(self._answerer(), self.accounting_worker)
@@ -309,6 +311,10 @@ class PrivacyAccountantCallback(Callback):
         line = (f"DP-SGD: sigma={plan.noise_multiplier!r} ({how}), q={plan.sample_rate:.6g}, expected batch "
                 f"{plan.expected_batch_size:g}, {steps}, {target}, delta={plan.delta:g}, N={plan.dataset_size} "
                 f"({plan.accountant}, {'Poisson' if plan.sampler_kind == 'poisson' else 'shuffled batches'})")
+        bound = plan.micro_batch_bound
+        if bound is not None:
+            share = "" if plan.truncation_delta is None else f", taking {plan.truncation_delta:.3g} of delta"
+            line += f"; micro-batches of at most {bound.max_micro_batch_size} (truncation accounted{share})"
         if ledger is not None and ledger.steps:
             line += f"; continuing a ledger of {ledger.steps} steps (epsilon={self.epsilon():.6g})"
         return line

@@ -49,7 +49,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     (``B_exp = q·N``, docs/design.md, *The mechanism*). Takes every argument of Fabric's ``DeepSpeedStrategy``,
     the DP settings of :class:`~lightning_dpzero.DPDeepSpeedStrategy` (``noise_multiplier``, ``max_grad_norm``,
     ``clipping``, ``clipping_fn``, ``gamma``, ``clipping_groups`` as name patterns, ``group_max_grad_norms``,
-    ``poisson_sampling``, ``secure_mode``, ``seed``, ``loss_reduction``, ``layout_check``) and, as Fabric has no
+    ``poisson_sampling``, ``secure_mode``, ``seed``, ``loss_reduction``, ``layout_check``,
+    ``max_micro_batch_size``) and, as Fabric has no
     Trainer or accountant callback:
 
     Args:
@@ -84,6 +85,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                  clipping_groups: Optional[list[list[str]]] = None, group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: LossReduction = "mean", layout_check: bool = True,
+                 max_micro_batch_size: Optional[int] = None,
                  target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
                  max_steps: Optional[int] = None, max_epochs: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
@@ -94,7 +96,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                               clipping_fn=clipping_fn, gamma=gamma, clipping_groups=clipping_groups,
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
-                              layout_check=layout_check)
+                              layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._loader = None
         self._in_layout_check = False

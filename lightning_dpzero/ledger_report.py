@@ -34,9 +34,14 @@ def quiet_logs(names: Sequence[str] = ACCOUNTING_NOISE, level: int = logging.ERR
             lg.setLevel(old)
 
 
-def format_epsilon(eps: float) -> str:
-    """``repr(eps)``, or what an infinite ε means."""
-    return "inf (an entry has noise_multiplier 0: no privacy)" if math.isinf(eps) else repr(eps)
+def format_epsilon(eps: float, truncated: bool = False) -> str:
+    """``repr(eps)``, or what an infinite ε means (``truncated``: bounded micro-batches, whose truncation can take
+    all of δ at a large ε)."""
+    if not math.isinf(eps):
+        return repr(eps)
+    if truncated:
+        return "inf (no noise, or the micro-batch truncation's (1 + e^eps)*p(T) exceeds delta at this epsilon)"
+    return "inf (an entry has noise_multiplier 0: no privacy)"
 
 
 def ledger_summary(ledger: "PrivacyLedger") -> dict:
@@ -44,8 +49,7 @@ def ledger_summary(ledger: "PrivacyLedger") -> dict:
     PLD grid) as a JSON-able dict (an infinite ε as ``None``)."""
     out = {"run_id": ledger.run_id, "dataset_size": ledger.dataset_size, "delta": ledger.delta,
            "accountant": ledger.accountant,
-           "entries": [{"sample_rate": e.sample_rate, "noise_multiplier": e.noise_multiplier,
-                        "steps": e.steps, "sampler": e.sampler} for e in ledger.entries],
+           "entries": [e.record() for e in ledger.entries],
            "steps": ledger.steps, "epsilon": ledger.epsilon(), "epsilon_method": ledger.epsilon_bound().method,
            "epsilon_pld": ledger.epsilon(accountant="pld"), "epsilon_rdp": ledger.epsilon(accountant="rdp"),
            "value_discretization_interval": ledger.epsilon_bound(accountant="pld").value_discretization_interval,
@@ -60,7 +64,8 @@ def bound_origin(bound) -> str:
     if bound.method == "pld":
         return f"PLD bound on a {bound.value_discretization_interval:g}-nat grid"
     return {"none": "exact: no step, or delta covers the chance an example is ever used",
-            "sigma=0": "no noise"}.get(bound.method, bound.method)
+            "sigma=0": "no noise", "truncation": "the micro-batch truncation takes all of delta"
+            }.get(bound.method, bound.method)
 
 
 def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
@@ -72,6 +77,8 @@ def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
     mark = {"pld": "", "rdp": ""}
     mark[ledger.accountant] = "  <- ledger's accountant"
     versions = ", ".join(f"{k} {v}" for k, v in sorted(ledger.versions.items())) or "-"
+    from .accounting.accountants import truncation_probability
+
     lines = [f"privacy ledger:   {source}",
              f"run id:           {ledger.run_id}",
              f"dataset size N:   {ledger.dataset_size}{_shards(ledger)}",
@@ -82,10 +89,19 @@ def ledger_lines(ledger: "PrivacyLedger", source: str) -> list[str]:
              f"  {'#':>3}  {'q (sample_rate)':>22}  {'sigma (noise_multiplier)':>24}  {'steps':>9}  sampler"]
     lines += [f"  {i:>3}  {e.sample_rate!r:>22}  {e.noise_multiplier!r:>24}  {e.steps:>9}  {e.sampler}"
               for i, e in enumerate(ledger.entries, 1)]
+    bounded = [(i, e.micro_batch_bound) for i, e in enumerate(ledger.entries, 1) if e.micro_batch_bound is not None]
+    for i, b in bounded:
+        lines.append(f"  {i:>3}  micro-batch bound {b.max_micro_batch_size} x {b.accumulate_grad_batches} accumulated "
+                     f"over ranks of {', '.join(map(str, b.rank_sizes))} examples: truncated with probability <= "
+                     f"{b.exceed_probability(ledger.entries[i - 1].sample_rate):.3g} per step")
+    pld = ledger.epsilon_bound(accountant="pld")
     lines += [f"total steps:      {ledger.steps}",
-              f"epsilon (pld):    {format_epsilon(ledger.epsilon(accountant='pld'))}  "
-              f"({bound_origin(ledger.epsilon_bound(accountant='pld'))}, at delta={ledger.delta!r}){mark['pld']}",
-              f"epsilon (rdp):    {format_epsilon(ledger.epsilon(accountant='rdp'))}{mark['rdp']}",
+              f"epsilon (pld):    {format_epsilon(pld.epsilon, bool(bounded))}  "
+              f"({bound_origin(pld)}, at delta={ledger.delta!r}){mark['pld']}",
+              f"epsilon (rdp):    {format_epsilon(ledger.epsilon(accountant='rdp'), bool(bounded))}{mark['rdp']}",
+              *([f"truncation:       (1 + e^eps)*p(T) = {pld.truncation_delta:.3g} of delta taken by the "
+                 f"micro-batch bound (p(T) = {truncation_probability(ledger.entries):.3g}: the chance any step "
+                 "was truncated)"] if bounded and pld.truncation_delta is not None else []),
               f"versions:         {versions}",
               f"hash head:        {ledger.head}"]
     return lines

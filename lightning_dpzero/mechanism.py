@@ -38,6 +38,7 @@ from ._collectives import Collectives, SingleProcess
 from ._micro_batch import logging_suppressed, non_finite_loss_message, zero_loss
 from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
+from .accounting.truncation import MicroBatchBound, check_max_micro_batch_size
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
@@ -80,9 +81,12 @@ class DPMechanism:
         seed: seed of the noise and sampling streams (not in secure mode); ``None`` draws one from OS entropy.
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         poisson_sampling: Poisson-sampled logical batches (default); ``False``: shuffled fixed-size batches.
+        max_micro_batch_size: b, the most examples one micro-batch may hold (None: unbounded): larger Poisson
+            draws are truncated, at a cost in δ the plan and the ledger account (docs/privacy.md, *Bounded
+            micro-batches*).
 
     Raises:
-        ValueError: σ negative or not finite; σ > 0 with C = inf.
+        ValueError: σ negative or not finite; σ > 0 with C = inf; b not an integer >= 1.
 
     Example:
         One private step in plain PyTorch (what the strategy does inside Lightning and DeepSpeed):
@@ -111,7 +115,8 @@ class DPMechanism:
     """
 
     def __init__(self, noise_multiplier: Optional[float] = None, max_grad_norm: float = 1.0, *,
-                 seed: Optional[int] = None, secure_mode: bool = False, poisson_sampling: bool = True) -> None:
+                 seed: Optional[int] = None, secure_mode: bool = False, poisson_sampling: bool = True,
+                 max_micro_batch_size: Optional[int] = None) -> None:
         if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier (σ) must be >= 0 and finite, got {noise_multiplier!r}.")
         if noise_multiplier and math.isinf(max_grad_norm):
@@ -119,6 +124,7 @@ class DPMechanism:
         self._noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.seed, self.secure_mode, self.poisson_sampling = seed, secure_mode, poisson_sampling
+        self.max_micro_batch_size = check_max_micro_batch_size(max_micro_batch_size)
         self._base_seed = seed  # the seed given (or drawn at attach); every stream seed is derived from it
         self.accounting = AccountingSettings()
         self.plan: Optional[PrivacyPlan] = None      #: fixed by fix_plan / use_plan
@@ -214,7 +220,7 @@ class DPMechanism:
             warn_unequal_shuffled_shards(data.shard_sizes, batch_size * accumulate_grad_batches, q)
         return private_dataloader(dataloader, q, world, rank, accumulate_grad_batches, seed=self.seed,
                                   secure_mode=self.secure_mode, poisson=self.poisson_sampling,
-                                  shard_sizes=data.shard_sizes)
+                                  shard_sizes=data.shard_sizes, max_micro_batch_size=self.max_micro_batch_size)
 
     def fix_plan(self, loader: DataLoader, *, accumulate_grad_batches: int, micro_batches_per_epoch: int,
                  max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
@@ -222,12 +228,14 @@ class DPMechanism:
         A plan fixed again (a reloaded loader) keeps the σ of the first."""
         sampler = loader.batch_sampler
         settings = self.accounting
+        b = self.max_micro_batch_size if sampler.sampler_kind == "poisson" else None  # fixed-size: never cut
+        bound = None if b is None else MicroBatchBound(b, accumulate_grad_batches, sampler.rank_sizes)
         plan = PrivacyPlan.build(
             dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
             accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,
             max_steps=max_steps, max_epochs=max_epochs, noise_multiplier=self.noise_multiplier,
             target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant,
-            shard_sizes=sampler.shard_sizes)
+            shard_sizes=sampler.shard_sizes, micro_batch_bound=bound)
         self.use_plan(plan)
         return plan
 
@@ -369,8 +377,9 @@ class DPMechanism:
         self._counts.begin(self.ledger.steps if self.ledger is not None else 0, counts)
 
     def charge(self) -> None:
-        """Charge one step (q, σ, sampler) of the plan to the ledger."""
-        self.ledger.charge(self.plan.sample_rate, self.plan.noise_multiplier, self.plan.sampler_kind)
+        """Charge one step (q, σ, sampler, micro-batch bound) of the plan to the ledger."""
+        self.ledger.charge(self.plan.sample_rate, self.plan.noise_multiplier, self.plan.sampler_kind,
+                           bound=self.plan.micro_batch_bound)
 
     def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], *,
                        boundary: bool, step_applied: Callable[[], bool],

@@ -90,7 +90,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
              accumulate_grad_batches: int = 1, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
              limit_train_batches: Any = 1.0, noise_multiplier: Optional[float] = None,
              target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld",
-             poisson_sampling: bool = True) -> PlannedRun:
+             poisson_sampling: bool = True, max_micro_batch_size: Optional[int] = None) -> PlannedRun:
     """The privacy plan ``Trainer.fit`` with :class:`~lightning_dpzero.DPDeepSpeedStrategy` fixes, and its ε.
 
     Args:
@@ -108,10 +108,14 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
         delta: as the callback's.
         accountant: as the callback's (``"pld"`` or ``"rdp"``).
         poisson_sampling: as the strategy's (False: shuffled fixed-size batches, accounted as if Poisson).
+        max_micro_batch_size: as the strategy's: b, the most examples of one micro-batch; the truncation's
+            (1 + e^ε)·p(T) is taken from δ (``plan.truncation_delta``), over the sampler's split of N over the W
+            ranks.
 
     Raises:
         ValueError: what the run would refuse: q > 1, a target without σ for an unbounded run, an explicit σ
-            whose ε exceeds the target over the planned steps (naming how many steps fit), no σ and no target.
+            whose ε exceeds the target over the planned steps (naming how many steps fit), no σ and no target,
+            a max_micro_batch_size whose truncation takes more than half of δ (naming the smallest that fits).
 
     Example:
         >>> run = plan_run(60_000, 256, max_epochs=3, noise_multiplier=1.1)
@@ -119,6 +123,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
         (True, 702, 0.5)
     """
     from .accounting import BudgetGuard, PrivacyLedger, epsilon_for
+    from .accounting.truncation import MicroBatchBound, check_max_micro_batch_size, rank_sizes_of
     from .privacy_plan import PrivacyPlan, limited_micro_batches
 
     world = int(devices) * int(num_nodes)
@@ -127,19 +132,28 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     micro = limited_micro_batches(_micro_batches_per_epoch(dataset_size, q, batch_size, world, k, poisson_sampling),
                                   limit_train_batches)
     sampler = "poisson" if poisson_sampling else "shuffle"
+    bound = None
+    if check_max_micro_batch_size(max_micro_batch_size) is not None:
+        if not poisson_sampling and max_micro_batch_size < batch_size:
+            raise ValueError(f"max_micro_batch_size={max_micro_batch_size} is below batch_size={batch_size}, "
+                             "which poisson_sampling=False puts in every micro-batch.")
+        if poisson_sampling:  # fixed-size batches are never truncated
+            bound = MicroBatchBound(int(max_micro_batch_size), k, rank_sizes_of(dataset_size, world))
     plan = PrivacyPlan.build(dataset_size=dataset_size, sample_rate=q, sampler_kind=sampler,
                              accumulate_grad_batches=k, micro_batches_per_epoch=micro, max_steps=max_steps,
                              max_epochs=max_epochs, noise_multiplier=noise_multiplier,
-                             target_epsilon=target_epsilon, delta=delta, accountant=accountant)
+                             target_epsilon=target_epsilon, delta=delta, accountant=accountant,
+                             micro_batch_bound=bound)
+    p = 0.0 if bound is None or not plan.planned_steps else plan.planned_steps * bound.exceed_probability(q)
     eps = {}
     for acc in ("pld", "rdp"):
-        eps[acc] = (epsilon_for(plan.noise_multiplier, delta, q, plan.planned_steps, acc)
+        eps[acc] = (epsilon_for(plan.noise_multiplier, delta, q, plan.planned_steps, acc, truncation=p)
                     if plan.planned_steps else None)
     fits = None
     if target_epsilon is not None and noise_multiplier is not None:
         with contextlib.suppress(ValueError):  # more than 1e9 steps fit: say nothing
             fits = BudgetGuard(target_epsilon).steps_within_budget(PrivacyLedger(delta, dataset_size, accountant),
-                                                                   q, plan.noise_multiplier, sampler)
+                                                                   q, plan.noise_multiplier, sampler, bound)
     return PlannedRun(plan, batch_size, world, k, micro, max(micro // k, 1), eps["pld"], eps["rdp"], fits,
                       calibrated=noise_multiplier is None)
 
@@ -186,6 +200,8 @@ def settings_from_config(cli_args: Sequence[str]) -> dict[str, Any]:
             "accumulate_grad_batches": trainer.accumulate_grad_batches, "max_epochs": trainer.max_epochs,
             "max_steps": trainer.max_steps, "limit_train_batches": trainer.limit_train_batches,
             "noise_multiplier": strategy.noise_multiplier, "poisson_sampling": strategy.poisson_sampling,
+            **({"max_micro_batch_size": strategy.max_micro_batch_size}
+               if strategy.max_micro_batch_size is not None else {}),
             **({"target_epsilon": settings.target_epsilon, "delta": settings.delta,
                 "accountant": settings.accountant} if settings is not None else {})}
 
@@ -216,7 +232,15 @@ def _lines(run: PlannedRun) -> list[str]:
            f"noise multiplier sigma: {p.noise_multiplier!r}  ({sigma_note})"]
     for acc, eps in (("pld", run.epsilon_pld), ("rdp", run.epsilon_rdp)):
         if eps is not None:
-            out.append(f"epsilon ({acc}):          {format_epsilon(eps)}  (after {p.planned_steps} steps){mark[acc]}")
+            shown = format_epsilon(eps, p.micro_batch_bound is not None)
+            out.append(f"epsilon ({acc}):          {shown}  (after {p.planned_steps} steps){mark[acc]}")
+    bound = p.micro_batch_bound
+    if bound is not None:
+        share = "" if p.truncation_delta is None else (
+            f"; truncation takes (1 + e^eps)*p(T) = {p.truncation_delta:.3g} of delta over the planned steps")
+        out.append(f"micro-batch bound:      {bound.max_micro_batch_size} per device (a step sample above "
+                   f"{bound.max_micro_batch_size * bound.accumulate_grad_batches} per rank is truncated, with "
+                   f"probability <= {bound.exceed_probability(p.sample_rate):.3g} per step){share}")
     if run.steps_within_budget is not None:
         out.append(f"steps within budget:    {run.steps_within_budget}  (at this sigma, epsilon <= {p.target_epsilon:g})")
     return out
@@ -248,6 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accountant", choices=["pld", "rdp"], help="the run's accountant (default pld)")
     p.add_argument("--no-poisson", dest="poisson_sampling", action="store_false", default=None,
                    help="shuffled fixed-size batches (poisson_sampling=False)")
+    p.add_argument("--max-micro-batch-size", type=int, metavar="B",
+                   help="the strategy's max_micro_batch_size: the most examples one micro-batch may hold (the "
+                        "truncation's share of delta is reported and sigma calibrated without it)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw epsilon against steps up to the planned steps")
     p.add_argument("--points", type=int, default=100, help="about how many step counts the plot evaluates")
@@ -260,7 +287,7 @@ def _ledger_of(run: PlannedRun):
 
     p = run.plan
     ledger = PrivacyLedger(p.delta, p.dataset_size, p.accountant, run_id="plan")
-    ledger.charge(p.sample_rate, p.noise_multiplier, p.sampler_kind, steps=p.planned_steps)
+    ledger.charge(p.sample_rate, p.noise_multiplier, p.sampler_kind, steps=p.planned_steps, bound=p.micro_batch_bound)
     return ledger
 
 

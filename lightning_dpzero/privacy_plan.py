@@ -19,6 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 from ._options import Accountant, Sampler, check_option
 from .accounting import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
 from .accounting.accountants import _check_delta
+from .accounting.truncation import MAX_SHARE, MicroBatchBound, smallest_micro_batch_bound, truncation_share
 
 DEFAULT_DELTA = 1e-5
 
@@ -71,6 +72,9 @@ class PrivacyPlan:
         accountant: "pld" or "rdp".
         target_epsilon: the ε budget σ was calibrated to or checked against (None: no budget).
         shard_sizes: pre-sharded data: each rank's shard length (their sum is N); None: one global dataset.
+        micro_batch_bound: bounded micro-batches (b, K, each rank's examples), or None.
+        truncation_delta: with a bound and planned steps, the part (1 + e^ε)·p(T) of δ the truncation takes at
+            the ε of the planned steps (σ is calibrated with it taken from δ); else None.
 
     Example:
         >>> plan = PrivacyPlan.build(dataset_size=60_000, sample_rate=256 / 60_000, sampler_kind="poisson",
@@ -90,13 +94,16 @@ class PrivacyPlan:
     accountant: Accountant = "pld"
     target_epsilon: Optional[float] = None
     shard_sizes: Optional[tuple[int, ...]] = None
+    micro_batch_bound: Optional[MicroBatchBound] = None
+    truncation_delta: Optional[float] = None
 
     @classmethod
     def build(cls, *, dataset_size: int, sample_rate: float, sampler_kind: Sampler, accumulate_grad_batches: int,
               micro_batches_per_epoch: int, max_steps: Optional[int], max_epochs: Optional[int],
               noise_multiplier: Optional[float], target_epsilon: Optional[float] = None,
               delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
-              shard_sizes: Optional[tuple[int, ...]] = None) -> "PrivacyPlan":
+              shard_sizes: Optional[tuple[int, ...]] = None,
+              micro_batch_bound: Optional[MicroBatchBound] = None) -> "PrivacyPlan":
         """Fix the plan of a run: the planned steps, and σ calibrated to ``target_epsilon`` when not given.
 
         Args:
@@ -111,10 +118,14 @@ class PrivacyPlan:
             noise_multiplier: σ, or None to calibrate it from ``target_epsilon``.
             target_epsilon, delta, accountant: see :class:`AccountingSettings`.
             shard_sizes: see the attribute (recorded, not used in the arithmetic: N is already their sum).
+            micro_batch_bound: bounded micro-batches: ε and σ are those with the truncation's (1 + e^ε)·p(T)
+                taken from δ (:mod:`lightning_dpzero.accounting.truncation`).
 
         Raises:
             ValueError: no σ and no target; a target for an unbounded run without σ; an explicit σ whose ε over
-                the planned steps exceeds the target (naming how many steps fit).
+                the planned steps exceeds the target (naming how many steps fit); a micro-batch bound whose
+                truncation would take more than half of δ over the planned steps (naming the smallest b that
+                fits).
         """
         q, n = sample_rate, dataset_size
         steps_per_epoch = max(micro_batches_per_epoch // accumulate_grad_batches, 1)
@@ -124,17 +135,20 @@ class PrivacyPlan:
         elif max_epochs is not None and max_epochs > 0:
             planned = max_epochs * steps_per_epoch
         sigma = noise_multiplier
+        p = 0.0 if micro_batch_bound is None or planned is None else planned * micro_batch_bound.exceed_probability(q)
+        if p > 0.0 and target_epsilon is not None:
+            check_truncation(micro_batch_bound, q, planned, delta, target_epsilon, p)
         if target_epsilon is not None:
             if planned is None and sigma is None:
                 raise ValueError("target_epsilon needs a bounded run to calibrate σ: set Trainer(max_steps=...) "
                                  "or Trainer(max_epochs=...), or pass an explicit noise_multiplier (training then "
                                  "stops when the budget is spent).")
             if sigma is None:
-                sigma = calibrate_noise_multiplier(target_epsilon, delta, q, planned, accountant)
+                sigma = calibrate_noise_multiplier(target_epsilon, delta, q, planned, accountant, truncation=p)
             elif planned is not None:
-                eps = epsilon_for(sigma, delta, q, planned, accountant)
+                eps = epsilon_for(sigma, delta, q, planned, accountant, truncation=p)
                 if eps > target_epsilon:
-                    fits = _steps_within(target_epsilon, delta, q, sigma, accountant)
+                    fits = _steps_within(target_epsilon, delta, q, sigma, accountant, micro_batch_bound)
                     raise ValueError(
                         f"noise_multiplier={sigma} gives ε={eps:.3g} > target_epsilon={target_epsilon} after the "
                         f"planned {planned} steps (q={q:.4g}, δ={delta}); only {fits} steps fit in the budget. "
@@ -142,6 +156,14 @@ class PrivacyPlan:
         if sigma is None:
             raise ValueError("No noise multiplier: pass DPDeepSpeedStrategy(noise_multiplier=σ) or add "
                              "PrivacyAccountantCallback(target_epsilon=..., delta=...) to calibrate σ.")
+        share = None
+        if p > 0.0 and sigma > 0:
+            eps_planned = epsilon_for(sigma, delta, q, planned, accountant, truncation=p)
+            if target_epsilon is None:
+                check_truncation(micro_batch_bound, q, planned, delta, eps_planned, p, sigma, accountant)
+            share = truncation_share(eps_planned, p)
+        elif micro_batch_bound is not None and planned is not None:
+            share = 0.0
         if sigma == 0:
             rank_zero_warn("noise_multiplier=0: gradients are clipped but not noised, so ε is infinite.")
         if sampler_kind == "shuffle" and sigma > 0:
@@ -151,7 +173,30 @@ class PrivacyPlan:
                            "use δ well below 1/N.")
         return cls(dataset_size=n, sample_rate=q, expected_batch_size=q * n, noise_multiplier=float(sigma),
                    delta=delta, planned_steps=planned, sampler_kind=sampler_kind,
-                   accountant=accountant, target_epsilon=target_epsilon, shard_sizes=shard_sizes)
+                   accountant=accountant, target_epsilon=target_epsilon, shard_sizes=shard_sizes,
+                   micro_batch_bound=micro_batch_bound, truncation_delta=share)
+
+
+def check_truncation(bound: MicroBatchBound, q: float, steps: int, delta: float, epsilon: float, p: float,
+                     sigma: Optional[float] = None, accountant: str = "pld") -> None:
+    """Refuse a micro-batch bound whose truncation takes more than half of δ, (1 + e^ε)·p(T) > δ/2, at ε (the
+    target, or the ε of the planned steps for a given σ), naming the smallest b that fits and the alternatives."""
+    share = truncation_share(epsilon, p)
+    if share <= MAX_SHARE * delta:
+        return
+    if sigma is not None:  # no target: the smallest b is sized at the ε the untruncated run has at δ/2
+        epsilon = epsilon_for(sigma, MAX_SHARE * delta, q, steps, accountant)
+    smallest = smallest_micro_batch_bound(q, bound.accumulate_grad_batches, bound.rank_sizes, steps, delta, epsilon)
+    k = bound.accumulate_grad_batches
+    expected = q * max(bound.rank_sizes) / k
+    raise ValueError(
+        f"max_micro_batch_size={bound.max_micro_batch_size} is too small for this run: a rank's Poisson sample of "
+        f"a step exceeds accumulate_grad_batches {k} x {bound.max_micro_batch_size} examples with probability up to "
+        f"{min(p / steps, 1.0):.3g} per step, and over the planned {steps} steps the truncation would take "
+        f"(1 + e^ε)·p(T) = {share:.3g} (ε = {epsilon:.4g}): more than half of delta={delta:g}. Use "
+        f"max_micro_batch_size >= {smallest} "
+        f"(the expected micro-batch is {expected:.3g}), or raise accumulate_grad_batches (with a smaller "
+        "DataLoader batch_size), or train fewer steps, or leave max_micro_batch_size unset.")
 
 
 def rank_zero_warn(message: str) -> None:
@@ -187,8 +232,9 @@ def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
     return micro_batches
 
 
-def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str) -> int:
+def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str,
+                  bound: Optional[MicroBatchBound] = None) -> int:
     """Steps (q, σ) that fit in ε ≤ target (for messages)."""
     if sigma == 0:
         return 0
-    return BudgetGuard(target).steps_within_budget(PrivacyLedger(delta, 1, accountant), q, sigma)
+    return BudgetGuard(target).steps_within_budget(PrivacyLedger(delta, 1, accountant), q, sigma, bound=bound)

@@ -69,6 +69,14 @@ class _ShardedBatchSampler(Sampler[list[int]]):
             self.shard = np.arange(self.shard_sizes[self.rank], dtype=np.int64)
 
     @property
+    def rank_sizes(self) -> tuple[int, ...]:
+        """The number of examples each rank samples from, in rank order (``shard_sizes``, or the r, r+W, ...
+        split of N): what the truncation bound of ``max_micro_batch_size`` is computed over."""
+        if self.shard_sizes is not None:
+            return self.shard_sizes
+        return tuple(len(range(r, self.num_samples, self.num_replicas)) for r in range(self.num_replicas))
+
+    @property
     def sampler(self) -> _ShardedBatchSampler:
         # Lightning calls `set_epoch` on `dataloader.batch_sampler.sampler` at each epoch start; point it here.
         return self
@@ -105,13 +113,19 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
         shard_sizes: pre-sharded data (``Trainer(use_distributed_sampler=False)``): the length of each rank's own
             dataset, in rank order, summing to N. Each shard is sampled at the same q, which is exact Poisson
             subsampling of their union; every rank still yields the same number of micro-batches.
+        max_micro_batch_size: b, or None (default: unbounded). When a rank's step sample holds more than K·b
+            examples, a uniformly random subset of K·b of them is kept (drawn from the same generator, or the
+            CSPRNG in secure mode; still sorted), so no micro-batch holds more than b. The accountant charges
+            the probability of that in δ (:mod:`lightning_dpzero.accounting.truncation`; docs/privacy.md,
+            *Bounded micro-batches*).
 
     Yields `len(self) = steps_per_epoch * K` lists of indices per epoch on every rank, empty lists included.
     The expected logical batch over all ranks is `expected_batch_size = q * N`; the mechanism divides by it,
     whatever batch was realised.
 
     Raises:
-        ValueError: num_samples < 1, q not in (0, 1], rank not in [0, W), K < 1 or steps_per_epoch < 1.
+        ValueError: num_samples < 1, q not in (0, 1], rank not in [0, W), K < 1, steps_per_epoch < 1 or
+            max_micro_batch_size < 1.
 
     Example:
         >>> sampler = DistributedPoissonBatchSampler(num_samples=100, sample_rate=0.1, num_replicas=2, rank=0,
@@ -126,8 +140,11 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
 
     def __init__(self, num_samples: int, sample_rate: float, num_replicas: int = 1, rank: int = 0,
                  accumulate_grad_batches: int = 1, steps_per_epoch: int | None = None,
-                 seed: int = 0, secure_mode: bool = False, shard_sizes: Sequence[int] | None = None) -> None:
+                 seed: int = 0, secure_mode: bool = False, shard_sizes: Sequence[int] | None = None,
+                 max_micro_batch_size: int | None = None) -> None:
         super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
+        self.max_micro_batch_size = None if max_micro_batch_size is None else _check_int(
+            "max_micro_batch_size", max_micro_batch_size, 1, "It is the most examples one micro-batch may hold.")
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
             raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate!r}. It is q = expected batch / N; "
                              "use a smaller batch size or fewer devices/accumulation steps.")
@@ -149,9 +166,17 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         gen = None if self.secure_mode else self._generator()
         n, k = len(self.shard), self.accumulate_grad_batches
+        cap = None if self.max_micro_batch_size is None else self.max_micro_batch_size * k
         for _ in range(self.steps_per_epoch):
             uniforms = _secure_uniform(n) if gen is None else gen.random(n)
             step = self.shard[uniforms < self.sample_rate]
+            if cap is not None and len(step) > cap:
+                # a uniformly random K·b-subset, kept in order; np.array_split then gives each micro-batch <= b
+                if gen is None:
+                    keep = np.argsort(np.frombuffer(os.urandom(8 * len(step)), dtype=np.uint64), kind="stable")[:cap]
+                else:
+                    keep = gen.choice(len(step), size=cap, replace=False)
+                step = step[np.sort(keep)]
             for chunk in np.array_split(step, k):
                 yield chunk.tolist()
 
@@ -323,13 +348,16 @@ def poisson_sample_rate(batch_size: int, num_replicas: int, accumulate_grad_batc
 def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas: int, rank: int,
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
                        poisson: bool = True, steps_per_epoch: int | None = None,
-                       shard_sizes: Sequence[int] | None = None) -> DataLoader:
+                       shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None
+                       ) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
     `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
     with `shard_sizes` (each rank's loader holds its own shard) N = their sum.
     `poisson=False`: a `DistributedShuffledBatchSampler` with the loader's own `batch_size` per rank and
     micro-batch; `sample_rate` must then equal B W K / N (as from `poisson_sample_rate`), else ValueError.
+    `max_micro_batch_size` (b): Poisson draws are truncated to K·b per rank and step (see the sampler); with
+    fixed-size batches a b below the loader's `batch_size` is refused (ValueError) and any other b changes nothing.
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor, persistent_workers, pin_memory_device, in_order.
     The user's sampler, shuffle, batch_size and drop_last are replaced. The result's `batch_sampler` carries
@@ -339,11 +367,16 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     if poisson:
         batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
             n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode,
-            shard_sizes)
+            shard_sizes, max_micro_batch_size)
     else:
         if dataloader.batch_size is None:
             raise ValueError("poisson_sampling=False needs the DataLoader's batch_size (the per-device "
                              "micro-batch); build the DataLoader with batch_size=B.")
+        if max_micro_batch_size is not None and max_micro_batch_size < dataloader.batch_size:
+            raise ValueError(f"max_micro_batch_size={max_micro_batch_size} is below the DataLoader's batch_size="
+                             f"{dataloader.batch_size}, which poisson_sampling=False puts in every micro-batch: "
+                             "lower the DataLoader's batch_size, or raise max_micro_batch_size (with fixed-size "
+                             "batches it bounds nothing else).")
         batch_sampler = DistributedShuffledBatchSampler(
             n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
         if not math.isclose(batch_sampler.sample_rate, sample_rate, rel_tol=1e-9):

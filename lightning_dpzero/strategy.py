@@ -71,6 +71,11 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         seed: seed of noise and sampling when not in secure mode; ``None`` draws one from OS entropy.
         loss_reduction: ``"mean"`` (``training_step`` returns the mean of per-example losses) or ``"sum"``.
+        max_micro_batch_size: b, the most examples one micro-batch may hold on a device (None: unbounded). A
+            Poisson draw of more than K·b examples on a rank is cut to a uniformly random K·b of them; the plan and
+            the ledger charge the probability of that in δ, and a b so small that it would take more than half of
+            δ is refused before training, naming the smallest b that fits (docs/privacy.md, *Bounded
+            micro-batches*).
         layout_check: prove at the first micro-batch, with two extra forwards, that every layer's input is batch
             first and per example (``PerSampleEngine.check_layout``). ``False`` skips it, with a warning.
 
@@ -101,13 +106,14 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  clipping_groups: Optional[Union[Literal["param_groups"], list[list[str]]]] = None,
                  group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
-                 loss_reduction: LossReduction = "mean", layout_check: bool = True, **kwargs: Any) -> None:
+                 loss_reduction: LossReduction = "mean", layout_check: bool = True,
+                 max_micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
                               clipping_fn=clipping_fn, gamma=gamma, clipping_groups=clipping_groups,
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
-                              layout_check=layout_check)
+                              layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
 
@@ -120,6 +126,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     """Seed of the noise and sampling streams (drawn at setup if not given; renewed on resume)."""
     secure_mode = _OfMechanism()
     poisson_sampling = _OfMechanism()
+    max_micro_batch_size = _OfMechanism()
     plan = _OfMechanism()
     """The run's :class:`PrivacyPlan` (q, σ, δ, N, B_exp, planned steps), fixed with the training loader."""
     ledger = _OfMechanism()

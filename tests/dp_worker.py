@@ -99,7 +99,7 @@ def run_case(case, out_dir, devices):
     L.seed_everything(case.get("init_seed", 0), verbose=False)
     module = Module(case)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
-    callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=1e-5,
+    callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=case.get("delta", 1e-5),
                                            on_budget_exhausted=case.get("on_budget_exhausted", "stop"),
                                            log_second_accountant=case.get("log_second_accountant", False))]
     if case.get("stop_at"):
@@ -108,7 +108,8 @@ def run_case(case, out_dir, devices):
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
         clipping_groups=case.get("clipping_groups"),
-        seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False))
+        seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False),
+        max_micro_batch_size=case.get("max_micro_batch_size"))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices // case.get("num_nodes", 1),
         num_nodes=case.get("num_nodes", 1), max_steps=case["steps"],

@@ -35,6 +35,7 @@ import dp_accounting
 from .._options import Accountant
 from . import pld as _pld
 from .rdp import rdp_epsilon
+from .truncation import epsilon_with_truncation, truncation_share
 
 ACCOUNTANTS = get_args(Accountant)  # ("pld", "rdp")
 
@@ -86,6 +87,25 @@ def _as_runs(entries: Iterable) -> tuple:
     return tuple(runs)
 
 
+def _exceed_probabilities(entries: Iterable) -> tuple:
+    """Per step, the probability bound that a bounded micro-batch truncates a draw, for each run of
+    :func:`_as_runs` (0.0 for an entry without ``micro_batch_bound``; docs/privacy.md, *Bounded micro-batches*)."""
+    out = []
+    for e in entries:
+        if int(e.steps):
+            bound = getattr(e, "micro_batch_bound", None)
+            out.append(0.0 if bound is None else bound.exceed_probability(e.sample_rate))
+    return tuple(out)
+
+
+def truncation_probability(entries: Iterable) -> float:
+    """p(T) = Σ_runs steps · P[some rank's step sample exceeds K·b]: the bound on the probability that a bounded
+    micro-batch ever truncated a draw (0.0 when no entry has a bound)."""
+    entries = list(entries)
+    return float(sum(int(e.steps) * t for e, t in zip((e for e in entries if int(e.steps)),
+                                                       _exceed_probabilities(entries))))
+
+
 def probability_ever_sampled(runs: tuple) -> float:
     """1 - prod (1 - q)^steps over ``runs``: the chance that a given example is in at least one step."""
     if any(q >= 1.0 for q, _, _ in runs):
@@ -105,6 +125,8 @@ class EpsilonBound:
         pld: the PLD bound (None when ``accountant="rdp"`` or not needed).
         rdp: the RDP bound (None when not needed).
         value_discretization_interval: the PLD grid in nats (None without a PLD bound).
+        truncation_delta: with bounded micro-batches, the part (1 + e^ε)·p(T) of δ the truncation takes (the
+            bounds above are then those of the untruncated steps at δ minus it); None without a bound.
     """
 
     epsilon: float
@@ -112,6 +134,7 @@ class EpsilonBound:
     pld: Optional[float] = None
     rdp: Optional[float] = None
     value_discretization_interval: Optional[float] = None
+    truncation_delta: Optional[float] = None
 
 
 def _bound_of_runs(runs: tuple, delta: float, accountant: str, h: Optional[float] = None) -> EpsilonBound:
@@ -146,8 +169,29 @@ def _bound_of_composition(runs: tuple, delta: float, accountant: str, h: Optiona
     return EpsilonBound(min(pld, rdp), "pld" if pld <= rdp else "rdp", pld, rdp, h)
 
 
-def _epsilon_of_runs(runs: tuple, delta: float, accountant: str) -> float:
-    return _bound_of_runs(runs, delta, accountant).epsilon
+def _epsilon_of_runs(runs: tuple, delta: float, accountant: str, truncation: float = 0.0) -> float:
+    return _truncated_bound(runs, delta, accountant, truncation).epsilon
+
+
+def _truncated_bound(runs: tuple, delta: float, accountant: str, truncation: float = 0.0) -> EpsilonBound:
+    """The bound of ``runs`` when a bounded micro-batch truncates a draw with probability at most
+    ``truncation`` = p(T) over the whole run: the smallest ε found with ε >= ε(δ - (1 + e^ε)·p) by the
+    accountant (:func:`~.truncation.epsilon_with_truncation`); :func:`_bound_of_runs` when p = 0."""
+    if truncation <= 0.0 or not runs or any(s == 0.0 for _, s, _ in runs):
+        return _bound_of_runs(runs, delta, accountant)
+    last: list = []
+    # one PLD grid, the one chosen at δ, for every δ the search tries: the composition is then computed once
+    # (any grid gives an upper bound; this one is within about 1 % at δ, and δ changes little)
+    h = _bound_of_runs(runs, delta, accountant).value_discretization_interval
+
+    def at(d: float) -> float:
+        last[:] = [_bound_of_runs(runs, d, accountant, h)]
+        return last[0].epsilon
+
+    eps = epsilon_with_truncation(at, delta, truncation)
+    if not math.isfinite(eps) or not last:
+        return EpsilonBound(math.inf, "truncation", truncation_delta=math.inf)
+    return replace(last[0], epsilon=eps, truncation_delta=truncation_share(eps, truncation))
 
 
 def epsilon_bound(entries: Iterable, delta: float, accountant: str = "pld",
@@ -163,6 +207,10 @@ def epsilon_bound(entries: Iterable, delta: float, accountant: str = "pld",
         ('pld', 1.829)
     """
     _check_accountant(accountant)
+    entries = list(entries)
+    p = truncation_probability(entries)
+    if p > 0.0:
+        return _truncated_bound(_as_runs(entries), _check_delta(delta), accountant, p)
     return _bound_of_runs(_as_runs(entries), _check_delta(delta), accountant, value_discretization_interval)
 
 
@@ -245,14 +293,15 @@ class EpsilonTracker:
         ``exact=True``); ``delta`` and ``accountant`` default to the ledger's own."""
         delta = _check_delta(ledger.delta if delta is None else delta)
         accountant = _check_accountant(ledger.accountant if accountant is None else accountant)
-        runs = _as_runs(ledger.entries)
+        runs, tails = _as_runs(ledger.entries), _exceed_probabilities(ledger.entries)
         if runs and not exact:
             q, s, n = runs[-1]
             runs = runs[:-1] + ((q, s, self.grid_point(n)),)
-        key = (accountant, delta, runs)
+        p = sum(n * t for (_, _, n), t in zip(runs, tails))
+        key = (accountant, delta, runs, p)
         found = self._cache.get(key)
         if found is None:
-            found = _bound_of_runs(runs, delta, accountant)
+            found = _truncated_bound(runs, delta, accountant, p)
             self.evaluations += 1
             self._cache[key] = found
             if len(self._cache) > self._max_cache:

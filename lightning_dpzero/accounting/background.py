@@ -35,6 +35,7 @@ from .._options import AccountingWorker
 from .accountants import EpsilonTracker
 from .budget import BudgetGuard
 from .ledger import LedgerEntry
+from .truncation import MicroBatchBound
 
 
 @dataclass(frozen=True)
@@ -51,26 +52,51 @@ class LedgerView:
 
     @property
     def key(self) -> tuple:
-        return (tuple((e.sample_rate, e.noise_multiplier, e.steps, e.sampler) for e in self.entries), self.delta,
-                self.accountant)
+        return (tuple(_fields(e) for e in self.entries), self.delta, self.accountant)
 
-    def after(self, steps: int, sample_rate: float, noise_multiplier: float, sampler: str) -> "LedgerView":
-        """The view after ``steps`` more charges of (q, σ, sampler), merged as :meth:`PrivacyLedger.charge` does."""
+    def after(self, steps: int, sample_rate: float, noise_multiplier: float, sampler: str,
+              *bound: Any) -> "LedgerView":
+        """The view after ``steps`` more charges of (q, σ, sampler, bound fields b, K, rank sizes), merged as
+        :meth:`PrivacyLedger.charge` does."""
         entries = list(self.entries)
         last = entries[-1] if entries else None
-        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler) == (
-                float(sample_rate), float(noise_multiplier), sampler):
-            entries[-1] = LedgerEntry(last.sample_rate, last.noise_multiplier, last.steps + steps, last.sampler)
+        grown = _entry((float(sample_rate), float(noise_multiplier), steps, sampler, *bound))
+        if last is not None and _fields(last)[:2] + _fields(last)[3:] == _fields(grown)[:2] + _fields(grown)[3:]:
+            entries[-1] = _entry((*_fields(last)[:2], last.steps + steps, *_fields(last)[3:]))
         else:
-            entries.append(LedgerEntry(sample_rate, noise_multiplier, steps, sampler))
+            entries.append(grown)
         return LedgerView(tuple(entries), self.delta, self.accountant)
+
+
+def _fields(e) -> tuple:
+    """An entry as a hashable tuple (q, σ, steps, sampler, b, K, rank sizes); the last three None without a bound."""
+    sizes = getattr(e, "rank_sizes", None)
+    return (e.sample_rate, e.noise_multiplier, e.steps, e.sampler, getattr(e, "max_micro_batch_size", None),
+            getattr(e, "accumulate_grad_batches", None), None if sizes is None else tuple(sizes))
+
+
+def _entry(fields) -> LedgerEntry:
+    return LedgerEntry(*fields)
+
+
+def plan_args(plan: tuple) -> tuple:
+    """``(q, σ, sampler, bound)`` for the guard from a plan tuple ``(q, σ, sampler[, b, K, rank sizes])``."""
+    q, s, sampler, *rest = plan
+    bound = MicroBatchBound(*rest) if rest and rest[0] is not None else None
+    return q, s, sampler, bound
+
+
+def plan_tuple(sample_rate: float, noise_multiplier: float, sampler: str, bound: Optional[MicroBatchBound]) -> tuple:
+    """The hashable, JSON-able plan tuple of :func:`plan_args`."""
+    fields = (None, None, None) if bound is None else (bound.max_micro_batch_size, bound.accumulate_grad_batches,
+                                                       bound.rank_sizes)
+    return (float(sample_rate), float(noise_multiplier), sampler, *fields)
 
 
 def ledger_view(ledger) -> LedgerView:
     """A frozen copy of ``ledger`` (a :class:`~lightning_dpzero.PrivacyLedger` or any object with ``entries``,
     ``delta`` and ``accountant``)."""
-    return LedgerView(tuple(LedgerEntry(e.sample_rate, e.noise_multiplier, e.steps, e.sampler) for e in ledger.entries),
-                      ledger.delta, ledger.accountant)
+    return LedgerView(tuple(_entry(_fields(e)) for e in ledger.entries), ledger.delta, ledger.accountant)
 
 
 class StepAnswers(NamedTuple):
@@ -111,7 +137,7 @@ class Answerer:
         budget first makes ε independent of which answers were computed before: when the tracker's bound is
         over the target the guard has then found the exact largest step count that fits, and the logged ε is
         tightened to the exact ε there (:meth:`BudgetGuard.epsilon_upper_bound`), as it always was in order."""
-        allows = True if self.guard is None else self.guard.allows_next_step(view, *plan)
+        allows = True if self.guard is None else self.guard.allows_next_step(view, *plan_args(plan))
         if view.steps == 0:
             return StepAnswers(0.0, 0.0 if self.second else None, allows)
         eps = self.guard.epsilon_upper_bound(view) if self.guard is not None else self.tracker.epsilon(view)
@@ -122,14 +148,14 @@ class Answerer:
         return self.tracker.epsilon(view, exact=exact, accountant=accountant) if view.steps else 0.0
 
     def epsilon_after_next_step(self, view: LedgerView, plan: tuple) -> float:
-        return self.guard.epsilon_after_next_step(view, *plan)
+        return self.guard.epsilon_after_next_step(view, *plan_args(plan))
 
 
 
 def _encode(value: Any) -> Any:
     """A request's or an answer's arguments as JSON values (views as their entries; Infinity allowed)."""
     if isinstance(value, LedgerView):
-        return {"view": [[e.sample_rate, e.noise_multiplier, e.steps, e.sampler] for e in value.entries],
+        return {"view": [_encode(_fields(e)) for e in value.entries],
                 "delta": value.delta, "accountant": value.accountant}
     if isinstance(value, tuple):
         return [_encode(v) for v in value]
@@ -137,7 +163,7 @@ def _encode(value: Any) -> Any:
 
 
 def _decode_view(data: dict) -> LedgerView:
-    return LedgerView(tuple(LedgerEntry(q, s, n, k) for q, s, n, k in data["view"]), data["delta"], data["accountant"])
+    return LedgerView(tuple(_entry(fields) for fields in data["view"]), data["delta"], data["accountant"])
 
 
 def _write(stream, obj) -> None:
@@ -308,10 +334,11 @@ class AccountingAhead:
             self._pending.clear()
             return getattr(self.answerer, method)(*args)
 
-    def answers(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str) -> StepAnswers:
+    def answers(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str,
+                bound: Optional[MicroBatchBound] = None) -> StepAnswers:
         """The answers for ``ledger`` as it is now (waiting for them if they are not ready), with the next
-        ``lookahead`` step counts of the plan (q, σ, sampler) queued behind them."""
-        plan = (float(sample_rate), float(noise_multiplier), sampler)
+        ``lookahead`` step counts of the plan (q, σ, sampler, bound) queued behind them."""
+        plan = plan_tuple(sample_rate, noise_multiplier, sampler, bound)
         view = ledger_view(ledger)
         future = self._pending.pop((view.key, plan), None)
         if future is None:
@@ -334,9 +361,10 @@ class AccountingAhead:
         view = ledger_view(ledger)
         return self._result(self._submit("epsilon", view, exact, accountant), "epsilon", view, exact, accountant)
 
-    def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str) -> float:
-        """Exact ε of ``ledger`` with one more step (q, σ, sampler) charged."""
-        view, plan = ledger_view(ledger), (float(sample_rate), float(noise_multiplier), sampler)
+    def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str,
+                                bound: Optional[MicroBatchBound] = None) -> float:
+        """Exact ε of ``ledger`` with one more step (q, σ, sampler, bound) charged."""
+        view, plan = ledger_view(ledger), plan_tuple(sample_rate, noise_multiplier, sampler, bound)
         return self._result(self._submit("epsilon_after_next_step", view, plan), "epsilon_after_next_step",
                             view, plan)
 

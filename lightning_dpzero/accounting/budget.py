@@ -21,8 +21,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .accountants import EpsilonTracker, _as_runs, _check_accountant, _check_delta, _epsilon_of_runs
+from .accountants import (EpsilonTracker, _as_runs, _check_accountant, _check_delta, _epsilon_of_runs,
+                          truncation_probability)
 from .ledger import LedgerEntry
+from .truncation import MicroBatchBound
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -46,8 +48,9 @@ class BudgetGuard:
         tracker: the :class:`EpsilonTracker` whose upper bounds are tried first (shared with the caller's
             logging, so the same grid evaluations serve both); a new one if None.
 
-    Methods take the ledger (``entries``, ``delta``, ``accountant``) and the next step's (q, sigma, sampler),
-    as :meth:`PrivacyLedger.charge` would record it.
+    Methods take the ledger (``entries``, ``delta``, ``accountant``) and the next step's (q, sigma, sampler,
+    bound), as :meth:`PrivacyLedger.charge` would record it (``bound``: bounded micro-batches, whose truncation
+    the epsilon includes; None: none).
     """
 
     def __init__(self, target_epsilon: float, tracker: Optional[EpsilonTracker] = None):
@@ -62,43 +65,45 @@ class BudgetGuard:
 
     # ------------------------------------------------------------------------------------------ helpers
     @staticmethod
-    def _split(ledger, q: float, sigma: float, sampler: str):
-        """(prefix runs, count of the growing run after the next step), as ``ledger.charge`` would merge."""
+    def _split(ledger, q: float, sigma: float, sampler: str, bound: Optional[MicroBatchBound]):
+        """(prefix entries, count of the growing run after the next step), as ``ledger.charge`` would merge."""
         entries = list(ledger.entries)
         last = entries[-1] if entries else None
-        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler) == (q, sigma, sampler):
-            return _as_runs(entries[:-1]), last.steps + 1
-        return _as_runs(entries), 1
+        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler,
+                                 getattr(last, "micro_batch_bound", None)) == (q, sigma, sampler, bound):
+            return tuple(entries[:-1]), last.steps + 1
+        return tuple(entries), 1
 
-    def _exact(self, prefix: tuple, q: float, sigma: float, n: int, delta: float, accountant: str) -> float:
+    def _exact(self, key, n: int) -> float:
+        prefix, q, sigma, delta, accountant, p_prefix, tail = key
         self.exact_evaluations += 1
         runs = prefix + ((q, sigma, n),) if n > 0 else prefix
-        return _epsilon_of_runs(runs, delta, accountant)
+        return _epsilon_of_runs(runs, delta, accountant, p_prefix + n * tail)
 
-    def _bound(self, prefix: tuple, q: float, sigma: float, n: int, delta: float, accountant: str) -> float:
-        entries = [LedgerEntry(pq, ps, pn) for pq, ps, pn in prefix] + [LedgerEntry(q, sigma, n)]
-        return self.tracker.epsilon(_Hypothetical(entries, delta, accountant))
+    def _bound(self, entries: tuple, q: float, sigma: float, sampler: str, bound, n: int, delta: float,
+               accountant: str) -> float:
+        grown = list(entries) + [LedgerEntry.of(q, sigma, n, sampler, bound)]
+        return self.tracker.epsilon(_Hypothetical(grown, delta, accountant))
 
     def _find_limit(self, key, n_next) -> int:
         """Largest count m of the growing run with epsilon(prefix + m steps) <= target, knowing that
         epsilon at the tracker grid point g >= n_next is over the target (so m < g); cached under ``key``."""
-        prefix, q, sigma, delta, accountant = key
         target = self.target_epsilon
         g = self.tracker.grid_point(n_next)
-        e0 = self._exact(prefix, q, sigma, 0, delta, accountant)
+        e0 = self._exact(key, 0)
         if e0 > target:  # the ledger is already over budget: no step of this run is allowed
             self._limits[key], self._limit_eps[key] = 0, e0
             return 0
         lo, hi, e_lo = 0, g, e0  # invariant: eps(lo) = e_lo <= target < eps(hi)
         if n_next - 1 > 0:
-            e = self._exact(prefix, q, sigma, n_next - 1, delta, accountant)
+            e = self._exact(key, n_next - 1)
             if e <= target:
                 lo, e_lo = n_next - 1, e
             else:
                 hi = n_next - 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            e = self._exact(prefix, q, sigma, mid, delta, accountant)
+            e = self._exact(key, mid)
             if e <= target:
                 lo, e_lo = mid, e
             else:
@@ -106,51 +111,53 @@ class BudgetGuard:
         self._limits[key], self._limit_eps[key] = lo, e_lo
         return lo
 
-    def _key(self, ledger, sample_rate, noise_multiplier, sampler):
-        """``((prefix, q, sigma, delta, accountant), n_next)``; the key is ``None`` when epsilon is infinite."""
+    def _key(self, ledger, sample_rate, noise_multiplier, sampler, bound):
+        """``((prefix runs, q, sigma, delta, accountant, p of the prefix, per-step p of the growing run), n_next,
+        prefix entries)``; the key is ``None`` when epsilon is infinite."""
         q, sigma = float(sample_rate), float(noise_multiplier)
         delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
-        prefix, n_next = self._split(ledger, q, sigma, sampler)
+        entries, n_next = self._split(ledger, q, sigma, sampler, bound)
+        prefix = _as_runs(entries)
         if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
-            return None, n_next
-        return (prefix, q, sigma, delta, accountant), n_next
+            return None, n_next, entries
+        tail = 0.0 if bound is None else bound.exceed_probability(q)
+        return (prefix, q, sigma, delta, accountant, truncation_probability(entries), tail), n_next, entries
 
     # ------------------------------------------------------------------------------------------ API
     def allows_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
-                         sampler: str = "poisson") -> bool:
+                         sampler: str = "poisson", bound: Optional[MicroBatchBound] = None) -> bool:
         """True iff the epsilon of ``ledger`` with one more step (q, sigma) charged is <= target."""
-        key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
+        key, n_next, entries = self._key(ledger, sample_rate, noise_multiplier, sampler, bound)
         if key is None:
             return False  # epsilon is infinite
-        prefix, q, sigma, delta, accountant = key
+        _, q, sigma, delta, accountant, _, _ = key
         limit = self._limits.get(key)
         if limit is not None:
             return n_next <= limit
-        if self._bound(prefix, q, sigma, n_next, delta, accountant) <= self.target_epsilon:
+        if self._bound(entries, q, sigma, sampler, bound, n_next, delta, accountant) <= self.target_epsilon:
             return True
         return n_next <= self._find_limit(key, n_next)
 
     def epsilon_after_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
-                                sampler: str = "poisson") -> float:
+                                sampler: str = "poisson", bound: Optional[MicroBatchBound] = None) -> float:
         """The epsilon of ``ledger`` with one more step (q, sigma) charged (``inf`` for sigma = 0)."""
-        key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
+        key, n_next, _ = self._key(ledger, sample_rate, noise_multiplier, sampler, bound)
         if key is None:
             return math.inf
-        prefix, q, sigma, delta, accountant = key
-        return self._exact(prefix, q, sigma, n_next, delta, accountant)
+        return self._exact(key, n_next)
 
     def steps_within_budget(self, ledger, sample_rate: float, noise_multiplier: float,
-                            sampler: str = "poisson") -> int:
+                            sampler: str = "poisson", bound: Optional[MicroBatchBound] = None) -> int:
         """How many more steps (q, sigma) can be charged to ``ledger`` with epsilon staying <= target."""
-        key, n_next = self._key(ledger, sample_rate, noise_multiplier, sampler)
+        key, n_next, entries = self._key(ledger, sample_rate, noise_multiplier, sampler, bound)
         if key is None:
             return 0
-        prefix, q, sigma, delta, accountant = key
+        _, q, sigma, delta, accountant, _, _ = key
         limit = self._limits.get(key)
         if limit is None:
             # grow a bracket on the tracker grid until its (grid-point) value is over the target
             n = n_next
-            while self._bound(prefix, q, sigma, n, delta, accountant) <= self.target_epsilon:
+            while self._bound(entries, q, sigma, sampler, bound, n, delta, accountant) <= self.target_epsilon:
                 n = max(n + 1, self.tracker.grid_point(int(n * 1.5) + 1))
                 if n > 10**9:
                     raise ValueError("more than 1e9 steps fit in the budget; is the noise multiplier sensible?")
@@ -166,10 +173,13 @@ class BudgetGuard:
         runs = _as_runs(ledger.entries)
         if not runs:
             return 0.0
-        bound = self.tracker.epsilon(ledger)
+        found = self.tracker.epsilon(ledger)
         q, sigma, n = runs[-1]
-        key = (runs[:-1], q, sigma, delta, accountant)
+        last = ledger.entries[-1]
+        bound = getattr(last, "micro_batch_bound", None)
+        tail = 0.0 if bound is None else bound.exceed_probability(q)
+        key = (runs[:-1], q, sigma, delta, accountant, truncation_probability(ledger.entries[:-1]), tail)
         limit = self._limits.get(key)
         if limit is not None and n <= limit:
-            return min(bound, self._limit_eps[key])
-        return bound
+            return min(found, self._limit_eps[key])
+        return found

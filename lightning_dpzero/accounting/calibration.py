@@ -22,6 +22,7 @@ import math
 
 from .accountants import _check_accountant, _check_delta, _epsilon_of_runs, probability_ever_sampled
 from .rdp import COARSE_ORDERS, rdp_epsilon
+from .truncation import truncation_share
 
 #: Search range for sigma. Below the floor no training is private in any useful sense; above the
 #: ceiling no realistic target needs more noise.
@@ -40,11 +41,13 @@ def _check_common(delta, sample_rate, steps) -> tuple:
 
 
 def epsilon_for(noise_multiplier: float, delta: float, sample_rate: float, steps: int,
-                accountant: str = "pld") -> float:
+                accountant: str = "pld", truncation: float = 0.0) -> float:
     """Epsilon (nats) of ``steps`` Poisson-subsampled Gaussian steps with sample rate q =
     ``sample_rate`` in (0, 1] and noise multiplier sigma = ``noise_multiplier`` >= 0, at ``delta``
     in (0, 1), by ``accountant`` ("pld" default, or "rdp"): :func:`compute_epsilon` of that one run.
-    ``math.inf`` for sigma == 0.
+    ``truncation``: p(T), the bound on the probability that bounded micro-batches truncate a draw in the
+    ``steps`` (``MicroBatchBound.exceed_probability(q) * steps``; 0: no bound), taken from δ as
+    :mod:`.truncation` says. ``math.inf`` for sigma == 0.
 
     Raises ValueError naming the bad argument."""
     delta, q, steps = _check_common(delta, sample_rate, steps)
@@ -52,7 +55,7 @@ def epsilon_for(noise_multiplier: float, delta: float, sample_rate: float, steps
     s = float(noise_multiplier)
     if not (s >= 0.0 and math.isfinite(s)):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
-    return _epsilon_of_runs(((q, s, steps),), delta, accountant)
+    return _epsilon_of_runs(((q, s, steps),), delta, accountant, float(truncation))
 
 
 def rank_zero_warn(message: str) -> None:
@@ -72,7 +75,7 @@ def _met_at_minimum(te: float, e_min: float, q: float, steps: int, delta: float)
 
 
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
-                               accountant: str = "pld", rtol: float = 0.01) -> float:
+                               accountant: str = "pld", rtol: float = 0.01, truncation: float = 0.0) -> float:
     """Noise multiplier sigma with ``target_epsilon * (1 - rtol) <= epsilon(sigma) <= target_epsilon``.
 
     Args:
@@ -83,6 +86,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         accountant: "pld" (default, tight) or "rdp".
         rtol: relative tolerance in (0, 1) below the target (default 0.01; the search stops in the upper
             half of that window, so the noise is within a fraction of a percent of the least that works).
+        truncation: p(T) of bounded micro-batches over the ``steps`` (see :func:`epsilon_for`; default 0).
 
     Returns:
         sigma (float): epsilon(sigma) as :func:`epsilon_for` computes it is at most the target. When every
@@ -109,8 +113,14 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     if not 0.0 < float(rtol) < 1.0:
         raise ValueError(f"rtol must be in (0, 1), got {rtol!r}; the default 0.01 means within 1 %.")
     rtol = float(rtol)
+    p = float(truncation)
+    # the δ left to the untruncated steps at ε = target; the RDP guide below is evaluated there
+    rest = delta - truncation_share(te, p)
+    if rest <= 0:
+        raise ValueError(f"the bounded micro-batches' truncation takes (1 + e^ε)·p = {truncation_share(te, p):.3g} "
+                         f">= delta={delta:g} at target_epsilon={te:g}: raise max_micro_batch_size.")
     used = probability_ever_sampled(((q, 1.0, steps),))
-    if used * (1 + 1e-12) <= delta:
+    if used * (1 + 1e-12) <= delta - 2 * p:
         rank_zero_warn(
             f"target_epsilon={te:g} is met by any noise multiplier: delta={delta:g} is at least the probability "
             f"{used:.3g} = 1 - (1 - q)^steps that a given example is used in any of the {steps} steps (q={q:g}), "
@@ -120,13 +130,13 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         return SIGMA_MIN
 
     def eps(sigma: float) -> float:
-        return _epsilon_of_runs(((q, sigma, steps),), delta, accountant)
+        return _epsilon_of_runs(((q, sigma, steps),), delta, accountant, p)
 
     # The coarse-order RDP bound costs about 2 ms per sigma and is never below the reported epsilon (which
     # is at most the default-order RDP bound); its shape guides the search, so that few of the reported
     # epsilons (each a PLD grid choice and composition) are needed.
     def rdp(sigma: float) -> float:
-        return rdp_epsilon(((q, sigma, steps),), delta, COARSE_ORDERS)
+        return rdp_epsilon(((q, sigma, steps),), rest, COARSE_ORDERS)
 
     def rdp_solve(value: float) -> float:
         """The sigma (within 0.1 %) at which the RDP bound equals ``value``: decreasing in sigma."""
@@ -191,7 +201,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
             if sigma <= SIGMA_MIN:
                 return _met_at_minimum(te, e, q, steps, delta)
             hi, e_hi = sigma, e
-        if e > 0:
+        if 0 < e < math.inf:  # inf: the truncation's share has no ε at this σ (a lower end, no secant point)
             points.append((math.log(sigma), math.log(e)))
         # epsilon jumps slightly where the PLD grid changes with sigma; stop once the bracket is tight
         if lo is not None and hi / lo - 1.0 < 1e-6 and e_hi >= te * (1.0 - rtol):

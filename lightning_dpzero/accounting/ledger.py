@@ -1,8 +1,8 @@
 """The privacy ledger: the source of truth for epsilon.
 
-A ledger is an ordered list of runs of identical DP-SGD steps ``(q, sigma, steps, sampler)`` plus
-fixed metadata (delta, dataset size N, accountant, run id) and a SHA-256 hash chain over the entries
-and the metadata. Epsilon is always recomputed from the entries with dp-accounting
+A ledger is an ordered list of runs of identical DP-SGD steps ``(q, sigma, steps, sampler)`` (with bounded
+micro-batches also b, K and each rank's number of examples) plus fixed metadata (delta, dataset size N,
+accountant, run id) and a SHA-256 hash chain over the entries and the metadata. Epsilon is always recomputed from the entries with dp-accounting
 (see :mod:`lightning_dpzero.accounting.accountants`); it is never stored as a number to trust.
 
 The hash chain is tamper-*evidence* against hand edits and corruption (a changed step count, sigma,
@@ -21,9 +21,11 @@ import uuid
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 from .._atomic import atomic_write_text
 from .accountants import EpsilonBound, _check_accountant, _check_delta, epsilon_bound
+from .truncation import MicroBatchBound
 
 SAMPLERS = ("poisson", "shuffle")
 FORMAT = "lightning_dpzero.privacy_ledger"
@@ -48,21 +50,53 @@ class LedgerEntry:
         noise_multiplier: sigma >= 0, noise std divided by the total clipping norm.
         steps: number of optimizer steps in this run, >= 1.
         sampler: ``"poisson"`` or ``"shuffle"``.
+        max_micro_batch_size, accumulate_grad_batches, rank_sizes: bounded micro-batches (b, K and the examples
+            of each rank): a step sample above K·b on a rank was truncated to K·b, which the accounting charges
+            in δ (docs/privacy.md, *Bounded micro-batches*). All None (the default) without a bound; None fields
+            are left out of the hash and the JSON, so a ledger without bounds reads as before.
 
     Example:
-        >>> LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500)
-        LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500, sampler='poisson')
+        >>> LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500)  # doctest: +ELLIPSIS
+        LedgerEntry(sample_rate=0.01, noise_multiplier=1.1, steps=500, sampler='poisson', ...)
     """
 
     sample_rate: float
     noise_multiplier: float
     steps: int
     sampler: str = "poisson"
+    max_micro_batch_size: Optional[int] = None
+    accumulate_grad_batches: Optional[int] = None
+    rank_sizes: Optional[tuple] = None
 
     def __post_init__(self):
         _validate(self.sample_rate, self.noise_multiplier, self.sampler, self.steps)
         self.sample_rate, self.noise_multiplier = float(self.sample_rate), float(self.noise_multiplier)
         self.steps = int(self.steps)
+        fields = (self.max_micro_batch_size, self.accumulate_grad_batches, self.rank_sizes)
+        if any(f is not None for f in fields):
+            bound = MicroBatchBound(*fields)  # checks them
+            self.max_micro_batch_size, self.accumulate_grad_batches = (bound.max_micro_batch_size,
+                                                                       bound.accumulate_grad_batches)
+            self.rank_sizes = bound.rank_sizes
+
+    @property
+    def micro_batch_bound(self) -> Optional[MicroBatchBound]:
+        """The entry's :class:`~lightning_dpzero.accounting.truncation.MicroBatchBound`, or None."""
+        if self.max_micro_batch_size is None:
+            return None
+        return MicroBatchBound(self.max_micro_batch_size, self.accumulate_grad_batches, self.rank_sizes)
+
+    @classmethod
+    def of(cls, sample_rate: float, noise_multiplier: float, steps: int, sampler: str = "poisson",
+           bound: Optional[MicroBatchBound] = None) -> "LedgerEntry":
+        """An entry with ``bound``'s fields (None: no bound)."""
+        extra = () if bound is None else (bound.max_micro_batch_size, bound.accumulate_grad_batches,
+                                           bound.rank_sizes)
+        return cls(sample_rate, noise_multiplier, steps, sampler, *extra)
+
+    def record(self) -> dict:
+        """The fields as hashed and saved: those that are None left out (older ledgers hash as before)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}
 
 
 def _validate(sample_rate, noise_multiplier, sampler, steps):
@@ -150,7 +184,7 @@ class PrivacyLedger:
         return hashlib.sha256((_GENESIS + _canonical(self._metadata())).encode()).hexdigest()
 
     def _entry_hash(self, prev: str, entry: LedgerEntry) -> str:
-        payload = _canonical({"entry": asdict(entry), "ledger": self._metadata()})
+        payload = _canonical({"entry": entry.record(), "ledger": self._metadata()})
         return hashlib.sha256((prev + payload).encode()).hexdigest()
 
     def _chain(self) -> list[str]:
@@ -175,21 +209,23 @@ class PrivacyLedger:
 
     # ----------------------------------------------------------------- charging
     def charge(self, sample_rate: float, noise_multiplier: float, sampler: str = "poisson",
-               steps: int = 1) -> None:
-        """Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism (q, sigma).
+               steps: int = 1, bound: Optional[MicroBatchBound] = None) -> None:
+        """Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism (q, sigma), with bounded
+        micro-batches ``bound`` (None: none).
 
-        Merges into the last entry when (q, sigma, sampler) are identical, else opens a new entry.
+        Merges into the last entry when (q, sigma, sampler, bound) are identical, else opens a new entry.
         Raises ValueError naming the argument: q not in (0, 1], sigma < 0 or not finite,
         steps < 1, sampler not "poisson"/"shuffle"."""
         _validate(sample_rate, noise_multiplier, sampler, steps)
         q, s, n = float(sample_rate), float(noise_multiplier), int(steps)
         last = self.entries[-1] if self.entries else None
-        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler) == (q, s, sampler):
+        if last is not None and (last.sample_rate, last.noise_multiplier, last.sampler,
+                                 last.micro_batch_bound) == (q, s, sampler, bound):
             last.steps += n
             prev = self._hashes[-2] if len(self._hashes) > 1 else self._genesis()
             self._hashes[-1] = self._entry_hash(prev, last)
         else:
-            entry = LedgerEntry(q, s, n, sampler)
+            entry = LedgerEntry.of(q, s, n, sampler, bound)
             self.entries.append(entry)
             self._hashes.append(self._entry_hash(self.head, entry))
 
@@ -234,7 +270,7 @@ class PrivacyLedger:
         self.verify()
         return {"format": FORMAT, "format_version": FORMAT_VERSION, **self._metadata(),
                 "versions": dict(self.versions),
-                "entries": [{**asdict(e), "hash": h} for e, h in zip(self.entries, self._hashes)],
+                "entries": [{**e.record(), "hash": h} for e, h in zip(self.entries, self._hashes)],
                 "head": self.head}
 
     @classmethod
@@ -250,7 +286,8 @@ class PrivacyLedger:
             led.versions = dict(d.get("versions", {}))
             for item in d["entries"]:
                 led.entries.append(LedgerEntry(item["sample_rate"], item["noise_multiplier"],
-                                               item["steps"], item["sampler"]))
+                                               item["steps"], item["sampler"], item.get("max_micro_batch_size"),
+                                               item.get("accumulate_grad_batches"), item.get("rank_sizes")))
                 led._hashes.append(str(item["hash"]))
             head = str(d["head"])
         except (KeyError, TypeError, ValueError) as exc:
