@@ -146,8 +146,8 @@ def summary(st: dict) -> str:
         "What DP-SGD costs against the same training without DP, measured on "
         f"{st['machine_before'].get('cpu_count')} CPU cores: the CPU time of one optimizer step and the peak "
         "memory of a process, each as a ratio to a non-DP run of the same model, ZeRO stage and batch in the "
-        "same run (1.20× = 20% more). Read the GPT's time ratios to about ±0.03 and the CNN's, whose steps are "
-        "short, to about ±0.3 (*Reading the results* below).",
+        "same run (1.20× = 20% more). On this shared 2-core machine two runs of the same code differ by up to "
+        "±0.4 in a time ratio, so read each figure as one sample (*Reading the results* below).",
         "",
     ]
     for model in ("gpt", "gpt-wide", "gpt-lora", "cnn"):
