@@ -38,12 +38,11 @@ from ._collectives import Collectives, SingleProcess
 from ._micro_batch import logging_suppressed, non_finite_loss_message, zero_loss
 from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
-from .accounting.truncation import MicroBatchBound, check_max_micro_batch_size
+from .accounting.truncation import check_max_micro_batch_size
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
-from .sampling import check_sampler_describable, poisson_sample_rate, private_dataloader
-from .shards import describe_training_data, warn_unequal_shuffled_shards
+from .shards import private_training_loader
 
 
 class NonFiniteLossError(RuntimeError):
@@ -200,42 +199,19 @@ class DPMechanism:
     def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
                        ) -> DataLoader:
         """The training loader over the same dataset with the distributed Poisson (or shuffled) sampler at
-        ``q = B·W·K/N``, B being ``dataloader.batch_size``. ``pre_sharded`` (``Trainer(use_distributed_sampler=
-        False)``): each rank's loader may hold its own shard, N is then the sum over ranks (``shards.py``).
-
-        Raises:
-            TypeError: the dataset has no ``__len__`` (N is needed).
-            ValueError: no ``batch_size``, a sampler the accountant cannot describe, q > 1, or shards of which
-                some ranks hold the same dataset.
-        """
-        check_sampler_describable(dataloader)
-        data = describe_training_data(dataloader, self.collectives.world_size, pre_sharded)
-        batch_size = getattr(dataloader, "batch_size", None)
-        if batch_size is None:
-            raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
-                             "micro-batch): the DP sampler replaces its sampler and needs B to set q.")
-        world, rank = self.collectives.world_size, self.collectives.global_rank
-        q = poisson_sample_rate(batch_size, world, accumulate_grad_batches, data.dataset_size)
-        if data.shard_sizes is not None and not self.poisson_sampling:
-            warn_unequal_shuffled_shards(data.shard_sizes, batch_size * accumulate_grad_batches, q)
-        return private_dataloader(dataloader, q, world, rank, accumulate_grad_batches, seed=self.seed,
-                                  secure_mode=self.secure_mode, poisson=self.poisson_sampling,
-                                  shard_sizes=data.shard_sizes, max_micro_batch_size=self.max_micro_batch_size)
+        ``q = B·W·K/N`` (:func:`lightning_dpzero.shards.private_training_loader`, which lists what it raises)."""
+        return private_training_loader(dataloader, self.collectives, accumulate_grad_batches, pre_sharded=pre_sharded,
+                                       poisson=self.poisson_sampling, seed=self.seed, secure_mode=self.secure_mode,
+                                       max_micro_batch_size=self.max_micro_batch_size)
 
     def fix_plan(self, loader: DataLoader, *, accumulate_grad_batches: int, micro_batches_per_epoch: int,
                  max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
         """Fix the plan for the loader from :meth:`private_loader` (σ calibrated if asked) and open the ledger.
         A plan fixed again (a reloaded loader) keeps the σ of the first."""
-        sampler = loader.batch_sampler
-        settings = self.accounting
-        b = self.max_micro_batch_size if sampler.sampler_kind == "poisson" else None  # fixed-size: never cut
-        bound = None if b is None else MicroBatchBound(b, accumulate_grad_batches, sampler.rank_sizes)
-        plan = PrivacyPlan.build(
-            dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
-            accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,
-            max_steps=max_steps, max_epochs=max_epochs, noise_multiplier=self.noise_multiplier,
-            target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant,
-            shard_sizes=sampler.shard_sizes, micro_batch_bound=bound)
+        plan = PrivacyPlan.for_sampler(
+            loader.batch_sampler, self.accounting, noise_multiplier=self.noise_multiplier,
+            max_micro_batch_size=self.max_micro_batch_size, accumulate_grad_batches=accumulate_grad_batches,
+            micro_batches_per_epoch=micro_batches_per_epoch, max_steps=max_steps, max_epochs=max_epochs)
         self.use_plan(plan)
         return plan
 

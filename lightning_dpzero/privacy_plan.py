@@ -98,6 +98,22 @@ class PrivacyPlan:
     truncation_delta: Optional[float] = None
 
     @classmethod
+    def for_sampler(cls, sampler, settings: "AccountingSettings", *, noise_multiplier: Optional[float],
+                    max_micro_batch_size: Optional[int], accumulate_grad_batches: int,
+                    micro_batches_per_epoch: int, max_steps: Optional[int], max_epochs: Optional[int]
+                    ) -> "PrivacyPlan":
+        """:meth:`build` for the DP batch sampler a training loader really uses (its N, q, kind and shards);
+        a ``max_micro_batch_size`` binds Poisson sampling only (fixed-size batches are never cut)."""
+        b = max_micro_batch_size if sampler.sampler_kind == "poisson" else None
+        bound = None if b is None else MicroBatchBound(b, accumulate_grad_batches, sampler.rank_sizes)
+        return cls.build(
+            dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
+            accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,
+            max_steps=max_steps, max_epochs=max_epochs, noise_multiplier=noise_multiplier,
+            target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant,
+            shard_sizes=sampler.shard_sizes, micro_batch_bound=bound)
+
+    @classmethod
     def build(cls, *, dataset_size: int, sample_rate: float, sampler_kind: Sampler, accumulate_grad_batches: int,
               micro_batches_per_epoch: int, max_steps: Optional[int], max_epochs: Optional[int],
               noise_multiplier: Optional[float], target_epsilon: Optional[float] = None,

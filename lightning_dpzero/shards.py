@@ -28,10 +28,11 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ._collectives import gather_objects
-from .sampling import dataset_size
+from ._collectives import Collectives, gather_objects
+from .sampling import check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader
 
-__all__ = ["TrainingData", "describe_training_data", "dataset_digest", "warn_unequal_shuffled_shards"]
+__all__ = ["TrainingData", "describe_training_data", "dataset_digest", "warn_unequal_shuffled_shards",
+           "private_training_loader"]
 
 #: examples hashed per rank, at evenly spaced fixed positions (first and last included)
 DIGEST_EXAMPLES = 8
@@ -161,3 +162,32 @@ def warn_unequal_shuffled_shards(shard_sizes: tuple[int, ...], per_rank_step: in
             f"shard ({smallest} examples) is in {rate:.4g} of the steps, above the q = {sample_rate:.4g} the ledger "
             "charges (the average over shards). Use poisson_sampling=True (each shard sampled at q: exact), or "
             "shards of equal size.")
+
+
+def private_training_loader(dataloader: Any, collectives: Collectives, accumulate_grad_batches: int, *,
+                            pre_sharded: bool, poisson: bool, seed: int, secure_mode: bool,
+                            max_micro_batch_size: Optional[int]) -> Any:
+    """The training loader over the same dataset with the distributed Poisson (``poisson``, else shuffled)
+    sampler at ``q = B·W·K/N``, B being ``dataloader.batch_size``. ``pre_sharded``
+    (``Trainer(use_distributed_sampler=False)``): each rank's loader may hold its own shard, N is then the sum
+    over ranks (:func:`describe_training_data`). ``max_micro_batch_size``: the bound of
+    :class:`~lightning_dpzero.sampling.DistributedPoissonBatchSampler`.
+
+    Raises:
+        TypeError: the dataset has no ``__len__`` (N is needed).
+        ValueError: no ``batch_size``, a sampler the accountant cannot describe, q > 1, or shards of which
+            some ranks hold the same dataset.
+    """
+    check_sampler_describable(dataloader)
+    world, rank = collectives.world_size, collectives.global_rank
+    data = describe_training_data(dataloader, world, pre_sharded)
+    batch_size = getattr(dataloader, "batch_size", None)
+    if batch_size is None:
+        raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
+                         "micro-batch): the DP sampler replaces its sampler and needs B to set q.")
+    q = poisson_sample_rate(batch_size, world, accumulate_grad_batches, data.dataset_size)
+    if data.shard_sizes is not None and not poisson:
+        warn_unequal_shuffled_shards(data.shard_sizes, batch_size * accumulate_grad_batches, q)
+    return private_dataloader(dataloader, q, world, rank, accumulate_grad_batches, seed=seed,
+                              secure_mode=secure_mode, poisson=poisson, shard_sizes=data.shard_sizes,
+                              max_micro_batch_size=max_micro_batch_size)
