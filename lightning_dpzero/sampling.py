@@ -72,9 +72,9 @@ class _ShardedBatchSampler(Sampler[list[int]]):
     def rank_sizes(self) -> tuple[int, ...]:
         """The number of examples each rank samples from, in rank order (``shard_sizes``, or the r, r+W, ...
         split of N): what the truncation bound of ``max_micro_batch_size`` is computed over."""
-        if self.shard_sizes is not None:
-            return self.shard_sizes
-        return tuple(len(range(r, self.num_samples, self.num_replicas)) for r in range(self.num_replicas))
+        from .accounting.truncation import rank_sizes_of  # scipy: imported when a bound is computed, not at start
+
+        return rank_sizes_of(self.num_samples, self.num_replicas, self.shard_sizes)
 
     @property
     def sampler(self) -> _ShardedBatchSampler:
