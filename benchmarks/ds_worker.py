@@ -111,26 +111,25 @@ def model_state_bytes(engine) -> dict:
     return cats
 
 
-def lightning_worker(cfg: dict) -> dict:
+def make_trainer(cfg: dict, first: list, last: list):
+    """The configuration's LightningModule and Trainer: Lightning's own ``DeepSpeedStrategy`` (with the CPU
+    overrides) for ``nondp``, else ``DPDeepSpeedStrategy`` with the privacy accountant; callbacks ``first``
+    before the accountant, ``last`` after it. Returns ``(trainer, module)``."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_dpzero  # noqa: F401  (registers the strategies)
     from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
 
-    torch.set_num_threads(cfg["threads"])
     total = cfg["warmup"] + cfg["steps"]
-    W, B, K = cfg["world"], cfg["batch"], cfg.get("accumulate", 1)  # a step: K micro-batches (timed together)
-    on_gpu = cfg["accelerator"] == "gpu"
-    if on_gpu:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    W, B, K = cfg["world"], cfg["batch"], cfg.get("accumulate", 1)
+    kind = "gpt" if cfg["model"].startswith("gpt") else "cnn"
 
     class Bench(L.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(cfg["seed"])
-            self.net = build_model("gpt" if cfg["model"].startswith("gpt") else "cnn", **cfg["model_kw"])
+            self.net = build_model(kind, **cfg["model_kw"])
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -140,9 +139,36 @@ def lightning_worker(cfg: dict) -> dict:
             return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
         def train_dataloader(self):
-            n = (total + 2) * B * W * K
-            x, y = make_data("gpt" if cfg["model"].startswith("gpt") else "cnn", n, seed=1, **cfg["model_kw"])
+            x, y = make_data(kind, (total + 2) * B * W * K, seed=1, **cfg["model_kw"])
             return DataLoader(TensorDataset(x, y), batch_size=B, shuffle=True, drop_last=True)
+
+    callbacks = list(first)
+    if cfg["method"] == "nondp":
+        strategy = _cpu_deepspeed_strategy()(stage=cfg["stage"], **cfg.get("strategy_kw", {}))
+    else:
+        strategy = DPDeepSpeedStrategy(stage=cfg["stage"], noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                                       clipping=cfg["clipping"], clipping_fn=cfg["clipping_fn"],
+                                       clipping_groups=cfg.get("clipping_groups"), poisson_sampling=False,
+                                       seed=1234, **cfg.get("strategy_kw", {}))
+        callbacks.append(PrivacyAccountantCallback(delta=1e-5))
+    strategy.config.update(cfg.get("ds_config", {}))  # e.g. zero_force_ds_cpu_optimizer for offload + Adam
+    trainer = L.Trainer(strategy=strategy, accelerator=cfg["accelerator"], devices=W, max_steps=total,
+                        precision=cfg["precision"], callbacks=callbacks + list(last), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=True, accumulate_grad_batches=K)
+    return trainer, Bench()
+
+
+def lightning_worker(cfg: dict) -> dict:
+    import lightning as L
+
+    torch.set_num_threads(cfg["threads"])
+    total = cfg["warmup"] + cfg["steps"]
+    K = cfg.get("accumulate", 1)  # a step: K micro-batches (timed together)
+    on_gpu = cfg["accelerator"] == "gpu"
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     prof = None
     if cfg.get("profile") and int(os.environ.get("RANK", "0")) == 0:
@@ -198,24 +224,9 @@ def lightning_worker(cfg: dict) -> dict:
                 self.start.rf.__exit__(None, None, None)
                 self.start.rf = None
 
-    module = Bench()
     start = StepStart(time.perf_counter())
     timer = StepTimer(start)
-    callbacks = [start]
-    if cfg["method"] == "nondp":
-        strategy = _cpu_deepspeed_strategy()(stage=cfg["stage"], **cfg.get("strategy_kw", {}))
-    else:
-        strategy = DPDeepSpeedStrategy(stage=cfg["stage"], noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                                       clipping=cfg["clipping"], clipping_fn=cfg["clipping_fn"],
-                                       clipping_groups=cfg.get("clipping_groups"), poisson_sampling=False,
-                                       seed=1234, **cfg.get("strategy_kw", {}))
-        callbacks.append(PrivacyAccountantCallback(delta=1e-5))
-    strategy.config.update(cfg.get("ds_config", {}))  # e.g. zero_force_ds_cpu_optimizer for offload + Adam
-    callbacks.append(timer)
-    trainer = L.Trainer(strategy=strategy, accelerator=cfg["accelerator"], devices=W, max_steps=total,
-                        precision=cfg["precision"], callbacks=callbacks, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, use_distributed_sampler=True, accumulate_grad_batches=K)
+    trainer, module = make_trainer(cfg, [start], [timer])
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     base = rss_bytes()

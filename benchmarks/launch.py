@@ -21,6 +21,8 @@ from typing import Optional
 from benchmarks.common import median
 
 ROOT = Path(__file__).resolve().parent.parent
+#: worker kinds that run as one process (the others run ``cfg['world']`` ranks)
+ONE_PROCESS = ("single", "interleaved-single")
 
 
 def _rss_mb(pid: int) -> float:
@@ -49,15 +51,16 @@ def _warn_stale_build_locks() -> None:
               "every DeepSpeed CPU launch on this machine waits on it.", flush=True)
 
 
-def launch(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float] = None) -> dict:
-    """Run one configuration in fresh processes (``cfg['world']`` ranks for Lightning, else one);
-    returns the merged result, or ``{"error": ...}`` with the log's tail (and ``over_budget: True`` when
-    the watchdog killed it for crossing ``rss_limit_mb`` MB in one rank). ``rss_seen_mb``: the largest
-    ``VmRSS`` the watchdog saw per rank (sampled; the ranks' own ``VmHWM`` is exact)."""
+def run_ranks(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float] = None) -> tuple:
+    """Run one worker configuration in fresh processes (``cfg['world']`` ranks unless ``cfg['kind']`` is a
+    one-process kind); returns ``(ranks, extra)``: every rank's result dict (None on failure) and the launch's
+    facts (``launch_wall_s``, ``rss_seen_mb``: the largest ``VmRSS`` the watchdog saw per rank, sampled; and
+    on failure ``error`` with ``log_tail``, ``over_budget: True`` when the watchdog killed it for crossing
+    ``rss_limit_mb`` MB in one rank)."""
     tag = cfg["name"].replace("/", "_")
     cfg_path = logdir / f"{tag}.json"
     cfg_path.write_text(json.dumps(cfg))
-    n = cfg["world"] if cfg["kind"] == "lightning" else 1
+    n = 1 if cfg["kind"] in ONE_PROCESS else cfg["world"]
     procs, logs = [], []
     for attempt in range(2):
         port = _free_port()
@@ -103,13 +106,21 @@ def launch(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float
             continue  # lost the race for the rendezvous port: once more
         break
     wall = time.time() - t0
+    extra = {"launch_wall_s": wall, "rss_seen_mb": seen}
     if over:
-        return {"error": f"over the memory budget of {rss_limit_mb:.0f} MB per process (killed)",
-                "over_budget": True, "rss_seen_mb": seen, "log_tail": text[-1500:], "launch_wall_s": wall}
+        return None, {"error": f"over the memory budget of {rss_limit_mb:.0f} MB per process (killed)",
+                      "over_budget": True, "log_tail": text[-1500:], **extra}
     if any(codes):
-        return {"error": f"exit codes {codes}", "log_tail": text[-3000:], "launch_wall_s": wall,
-                "rss_seen_mb": seen}
-    ranks = [json.loads((logdir / f"{tag}.rank{r}.result.json").read_text()) for r in range(n)]
+        return None, {"error": f"exit codes {codes}", "log_tail": text[-3000:], **extra}
+    return [json.loads((logdir / f"{tag}.rank{r}.result.json").read_text()) for r in range(n)], extra
+
+
+def launch(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float] = None) -> dict:
+    """Run one configuration (:func:`run_ranks`) and merge its ranks: a step's time is the slowest rank's,
+    its CPU time the sum over ranks, medians over the timed steps; or ``{"error": ...}`` as :func:`run_ranks`."""
+    ranks, extra = run_ranks(cfg, logdir, timeout, rss_limit_mb)
+    if ranks is None:
+        return extra
     steps = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
     timed = steps[cfg["warmup"]:]
     cpu = [sum(r["cpu_s"][i] for r in ranks) for i in range(len(ranks[0]["cpu_s"]))][cfg["warmup"]:]
@@ -118,12 +129,11 @@ def launch(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float
            "rss_peak_mb": [r["rss_peak"] / 2**20 for r in ranks],
            "rss_base_mb": [r["rss_base"] / 2**20 for r in ranks],
            "rss_growth_mb": [(r["rss_peak"] - r["rss_base"]) / 2**20 for r in ranks],
-           "model_states": ranks[0].get("model_states"), "launch_wall_s": wall,
+           "model_states": ranks[0].get("model_states"), **extra,
            "worker_s": max(r.get("worker_s", 0.0) for r in ranks),
-           "setup_s": max(r.get("setup_s", 0.0) for r in ranks), "rss_seen_mb": seen}
+           "setup_s": max(r.get("setup_s", 0.0) for r in ranks)}
     if ranks[0].get("profile"):
         out["profile_rank0"] = ranks[0]["profile"]
     if "cuda_peak" in ranks[0]:
         out["cuda_peak_mb"] = [r["cuda_peak"] / 2**20 for r in ranks]
     return out
-

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks import epsilon_accuracy, largest_model, per_layer, profile_engine, scaling, step_time
 from benchmarks.common import RESULTS, load_average, md_table
-from benchmarks.report import TARGET_NOTES, model_line, summary, targets
+from benchmarks.report import TARGET_NOTES, cpu_ratio, model_line, summary, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -43,7 +43,7 @@ def plot(st: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     key = "cpu_ratio" if any("cpu_ratio" in r for r in st["results"]) else "time_ratio"
-    rows = [r for r in st["results"] if key in r and r["method"] != "nondp"]
+    rows = [dict(r, cpu_ratio=cpu_ratio(r)) for r in st["results"] if key in r and r["method"] != "nondp"]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.4))
@@ -161,8 +161,9 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         f"* Load average (1, 5, 15 min) before: {m.get('load_average')}, after: {after.get('load_average')}. "
         "The machine was shared with other jobs, so wall-clock times are mostly waiting for a "
         "core: the verdicts use CPU time per step (summed over the processes, one torch thread each), which "
-        "leaves out the time other jobs held the cores; wall-clock ratios are shown beside them. A "
-        "configuration and its baseline run back to back in the same run.",
+        "leaves out the time other jobs held the cores; wall-clock ratios are shown beside them. CPU time "
+        "still carries the speed of the core, which drifts on this machine: the interleaved ratios compare "
+        "steps taken seconds apart on the same cores.",
         "",
     ]
     if st:
@@ -182,7 +183,13 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             f"{a['single_batch'] or a['world'] * (a.get('cnn_batch') or a['batch'])} (CNN), "
             f"{a['single_threads']} thread. "
             f"{a['warmup']} warm-up steps then {a['steps']} timed steps per configuration, one process launch "
-            f"per configuration; the median is shown. Total wall time {st['wall_s'] / 60:.1f} min.",
+            "per configuration; the median is shown (memory comes from these launches). "
+            + (f"Then every group once more in one launch, its methods taking turns step by step (the non-DP "
+               f"baseline first, in the same processes): {a['warmup']} warm-up rounds and "
+               f"{st['interleave']['steps']} timed rounds; the interleaved column is the median over the rounds "
+               "of a DP step's CPU time over the baseline's step of the same round, with the quartiles, and the "
+               "summary and the verdicts use it. " if st.get("interleave") else "")
+            + f"Total wall time {st['wall_s'] / 60:.1f} min.",
             "",
             "Names: `MODEL/zeroS/METHOD` is Lightning + DeepSpeed ZeRO-S (`nondp`: Lightning's DeepSpeedStrategy "
             "with CPU overrides; `layer`, `all`, `group`: DPDeepSpeedStrategy layer-wise, all-layer, group-wise "

@@ -15,9 +15,10 @@ from benchmarks.common import CLIP, SIGMA, peak_rss_bytes, reset_peak_rss, rss_b
 from benchmarks.models import build_model, loss_fn, make_data
 
 
-def single_worker(cfg: dict) -> dict:
-    """One process, plain loop: ``cfg['method']`` in nondp, ours-layer, ours-all, opacus-hooks,
-    opacus-ghost, naive, func."""
+def build_step(cfg: dict) -> tuple:
+    """``cfg['method']``'s model, optimizer and step function on fresh copies of the model and data; returns
+    ``(step, batches, sync)``: ``step(x, y)`` runs one optimizer step, ``batches`` the ``warmup + steps``
+    batches, ``sync()`` waits for the device."""
     from torch import nn
     from torch.func import functional_call, grad, vmap
 
@@ -127,8 +128,15 @@ def single_worker(cfg: dict) -> dict:
             opt.zero_grad(set_to_none=True)
     else:
         raise ValueError(f"unknown method {method!r}")
-
     model.train()
+    return step, batches, sync
+
+
+def single_worker(cfg: dict) -> dict:
+    """One process, plain loop: ``cfg['method']`` in nondp, ours-layer, ours-all, opacus-hooks,
+    opacus-ghost, naive, func."""
+    step, batches, sync = build_step(cfg)
+    dev = torch.device("cuda" if cfg["accelerator"] == "gpu" else "cpu")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base = rss_bytes()

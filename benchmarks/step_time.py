@@ -192,6 +192,33 @@ def finish(results: list[dict], cases: list[dict]) -> None:
             r["cuda_peak_ratio"] = max(r["cuda_peak_mb"]) / max(b["cuda_peak_mb"])
 
 
+def interleaved(res: dict, cases: list[dict], args, logdir: Path) -> None:
+    """The time ratios again, each group's methods taking turns step by step in one launch
+    (:mod:`benchmarks.interleave`): ``paired_*`` fields on each DP result, ``res['interleave']`` per group."""
+    from benchmarks.interleave import run_group
+
+    groups: dict[str, list[dict]] = {}
+    for c in cases:
+        groups.setdefault(c["group"], []).append(dict(c, steps=args.interleave_steps))
+    by_name = {r["name"]: r for r in res["results"]}
+    res["interleave"] = {"steps": args.interleave_steps, "warmup": args.warmup, "groups": {}}
+    for group, members in groups.items():
+        members.sort(key=lambda c: c["name"] != c["baseline"])  # the baseline first
+        if len(members) < 2 or members[0]["name"] != members[0]["baseline"]:
+            continue
+        out = run_group(members, logdir, args.timeout)
+        res["interleave"]["groups"][group] = {k: v for k, v in out.items() if k in ("launch_wall_s", "error")}
+        if "error" in out:
+            print(f"{group:32s} interleaved: {out['error']}\n{out['log_tail'][-1500:]}", flush=True)
+            continue
+        for name, paired in out.items():
+            if isinstance(paired, dict) and name in by_name:
+                by_name[name].update(paired)
+                q = paired["paired_cpu_quartiles"]
+                print(f"{name:32s} interleaved: CPU ×{paired['paired_cpu_ratio']:.3f} (quartiles "
+                      f"{q[0]:.3f}–{q[1]:.3f}, {paired['paired_rounds']} rounds)", flush=True)
+
+
 def render(res: dict) -> str:
     """Markdown tables: step time, ratio, floor and memory per configuration; ZeRO model states."""
     facts = res["facts"]
@@ -199,17 +226,21 @@ def render(res: dict) -> str:
     for r in res["results"]:
         f = facts[r["model"]]
         if "error" in r:
-            rows.append([r["name"], "failed: " + r["error"]] + [None] * 9)
+            rows.append([r["name"], "failed: " + r["error"]] + [None] * 10)
             continue
         gpu = "cuda_peak_mb" in r
+        q = r.get("paired_cpu_quartiles")
+        paired = (f"{r['paired_cpu_ratio']:.3f} ({q[0]:.2f}–{q[1]:.2f})" if q else
+                  (f"{r['paired_cpu_ratio']:.3f}" if "paired_cpu_ratio" in r else None))
         rows.append([r["name"], 1e3 * r["median_s"], r.get("time_ratio"), 1e3 * r["cpu_median_s"],
-                     r.get("cpu_ratio"), f["floor"] if r["method"] != "nondp" else None,
+                     r.get("cpu_ratio"), paired, f["floor"] if r["method"] != "nondp" else None,
                      max(r["cuda_peak_mb"]) if gpu else max(r["rss_peak_mb"]),
                      r.get("cuda_peak_ratio") if gpu else r.get("rss_peak_ratio"),
                      None if gpu else max(r["rss_growth_mb"]), None if gpu else r.get("rss_growth_ratio"),
                      len(r["step_s"])])
     mem = "CUDA peak" if any("cuda_peak_mb" in r for r in res["results"]) else "peak RSS"
-    out = [md_table(["configuration", "wall ms", "× non-DP", "CPU ms (Σ procs)", "× non-DP", "floor",
+    out = [md_table(["configuration", "wall ms", "× non-DP", "CPU ms (Σ procs)", "× non-DP",
+                     "interleaved CPU × non-DP (quartiles)", "floor",
                      f"{mem} MB/proc", "× non-DP",
                      "RSS growth MB", "× non-DP", "timed steps"], rows)]
     zrows = []
@@ -256,6 +287,9 @@ def parse_args(argv=None):
     ap.add_argument("--single-threads", type=int, default=1, help="torch threads of the one-process runs")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--interleave-steps", type=int, default=12,
+                    help="then time each group again with its methods taking turns step by step in one launch, "
+                         "this many rounds after the warm-up (0: not)")
     ap.add_argument("--accumulate", type=int, default=1,
                     help="accumulate_grad_batches of the DeepSpeed runs (> 1: configurations named .../accK/...)")
     ap.add_argument("--precision", default="32-true", help="Lightning precision of the DeepSpeed runs")
@@ -290,6 +324,10 @@ def main(argv=None) -> dict:
         t0 = time.time()
         if cfg["kind"] == "lightning":
             from benchmarks.ds_worker import lightning_worker as work
+        elif cfg["kind"] == "interleaved-lightning":
+            from benchmarks.interleave import lightning_interleaved as work
+        elif cfg["kind"] == "interleaved-single":
+            from benchmarks.interleave import single_interleaved as work
         else:
             from benchmarks.single_worker import single_worker as work
         out = work(cfg)
@@ -322,6 +360,8 @@ def main(argv=None) -> dict:
         print(f"{cfg['name']:32s} {msg}", flush=True)
         if "error" in r:
             print(r["log_tail"][-1500:], flush=True)
+    if args.interleave_steps and not args.profile:
+        interleaved(res, cases, args, logdir)
     res["wall_s"] = time.time() - t_start
     res["machine_after"] = machine_info()
     write_json(args.out, res)
