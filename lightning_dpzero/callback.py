@@ -54,9 +54,12 @@ class PrivacyAccountantCallback(Callback):
             and the budget decisions are exactly the same in all three; a step whose answer is not ready waits
             for it (:mod:`lightning_dpzero.accounting.background`).
 
-    After every optimizer step it logs ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and
-    ``dp_steps`` (plus ``clip_fraction`` and ``mean_grad_norm`` over all ranks' examples of that step) with
-    ``self.log``, so any Lightning logger records them; ε, δ, σ, q and the step count as float64, so a logger
+    After the optimizer steps whose metrics Lightning writes (every ``Trainer(log_every_n_steps=...)``, as
+    Lightning's ``LearningRateMonitor`` does, and always the first and the last step of a fit) it logs
+    ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and ``dp_steps`` (plus ``clip_fraction`` and
+    ``mean_grad_norm`` over all ranks' examples of that step) with ``self.log``, so any Lightning logger records
+    them (``log_every_n_steps=1``: a row per step; between logged steps ``trainer.callback_metrics`` hold the
+    last logged values, and ``dp_steps`` says which step they are of); ε, δ, σ, q and the step count as float64, so a logger
     shows δ = 1e-05, not its float32 neighbour. Every rank computes and logs the same values (no
     ``sync_dist``, so no collective per metric; every rank's ``trainer.callback_metrics`` agree, so a
     ``ModelCheckpoint``/``EarlyStopping`` monitoring ``epsilon`` decides alike everywhere). The logged ε is the
@@ -103,6 +106,7 @@ class PrivacyAccountantCallback(Callback):
         self._clip_fraction = ClipFraction(sync_on_compute=False)
         self._mean_grad_norm = MeanGradNorm(sync_on_compute=False)
         self._logged_steps = -1
+        self._first_log_done = False
         self._mechanism: Optional[DPMechanism] = None
         self._ahead: Optional[AccountingAhead] = None  # rank 0, while training
         self._sigma_given = False
@@ -224,6 +228,7 @@ class PrivacyAccountantCallback(Callback):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._logged_steps = self.ledger.steps if self.ledger is not None else -1
+        self._first_log_done = False
         answers = self._answers(trainer) if self._plan is not None else None
         self._decide(trainer, allows=None if answers is None else answers.allows_next_step)
         if self._plan is not None:
@@ -262,6 +267,8 @@ class PrivacyAccountantCallback(Callback):
         local = [float(stats.examples), float(stats.clipped), stats.norm_sum]
         examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps,
                                                          None if answers is None else answers.allows_next_step)
+        if not self._logs_this_step(trainer):
+            return
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
         if self.log_second_accountant:
@@ -276,6 +283,16 @@ class PrivacyAccountantCallback(Callback):
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "epsilon",
                           batch_size=1, sync_dist=False, rank_zero_only=False)
+
+    def _logs_this_step(self, trainer) -> bool:
+        """Whether this step's metrics reach the loggers: Lightning writes per-step metrics every
+        ``log_every_n_steps`` (and every step of ``fast_dev_run``) and drops the rest, so the others are not
+        logged, as Lightning's ``LearningRateMonitor`` does (each ``self.log`` costs about a millisecond of
+        Python, several per step); the first and the last step of a fit always are, so ``callback_metrics`` hold
+        every metric from the first step on and end on the final ε."""
+        first, self._first_log_done = not self._first_log_done, True  # the metrics exist from the first step on
+        return (first or trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
+                or trainer.should_stop or not self._run_would_continue(trainer))
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:

@@ -138,10 +138,30 @@ def test_a_budget_stopped_run_logs_and_stops_alike_with_every_worker(worker):
     model, cb = Net(), PrivacyAccountantCallback(target_epsilon=TARGET, accounting_worker=worker)
     trainer = L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=SIGMA), accelerator="cpu", devices=1,
                         max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[cb], accumulate_grad_batches=2)
+                        enable_model_summary=False, callbacks=[cb], accumulate_grad_batches=2, log_every_n_steps=1)
     trainer.fit(model)
     reference = _sync_answers(PrivacyLedger(1e-5, 32), [(Q, SIGMA, "poisson")] * 10)
     assert trainer.global_step == cb.ledger.steps == 9 and cb.budget_exhausted
     assert model.seen == {n: reference[n][0] for n in range(1, 10)}  # every step's logged ε, bit for bit
     assert model.seen[9] <= TARGET
     assert cb._ahead is None  # the worker is gone after fit
+
+
+def test_metrics_are_logged_at_the_trainers_logging_steps_and_the_first_and_last():
+    """Lightning writes per-step metrics every log_every_n_steps and drops the rest: the callback logs those
+    steps, the first (the keys exist from then on) and the last (callback_metrics end on the final ε), each
+    with the same value as a run that logs every step."""
+    def run(every):
+        model = Net()
+        trainer = L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=SIGMA, seed=3), accelerator="cpu",
+                            devices=1, max_steps=10, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[PrivacyAccountantCallback(delta=1e-5)], log_every_n_steps=every)
+        trainer.fit(model)
+        return model.seen, float(trainer.callback_metrics["epsilon"])
+    every_step, last_all = run(1)
+    sparse, last_sparse = run(4)
+    assert sorted(every_step) == list(range(1, 11))
+    assert sorted(sparse) == [1, 4, 8, 10]
+    assert sparse == {n: every_step[n] for n in (1, 4, 8, 10)}
+    assert last_sparse == last_all == every_step[10]

@@ -1,6 +1,5 @@
 """A checkpoint never loses the privacy ledger: save, resume with ckpt_path, compare with an uninterrupted run."""
 
-import json
 
 import pytest
 

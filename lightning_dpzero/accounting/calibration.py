@@ -172,7 +172,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     # Secant on (log sigma, log eps) towards the goal, the first step in the RDP bound's shape (assuming
     # eps / rdp stays as at hi, but by at most a factor 1.3), kept inside the bracket [lo, hi] once a lower
     # end (eps > target) is known, and a bisection step whenever two steps have not halved the bracket.
-    lo, e_lo = None, math.inf
+    lo = None
     points = [(math.log(hi), math.log(e_hi))] if e_hi > 0 else []
     widths = []
     for _ in range(100):
@@ -196,7 +196,7 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         if ok(e):
             return sigma
         if e > te:
-            lo, e_lo = sigma, e
+            lo = sigma
         else:
             if sigma <= SIGMA_MIN:
                 return _met_at_minimum(te, e, q, steps, delta)

@@ -5,7 +5,6 @@ a resumed run never reuses a noise draw."""
 import ast
 import csv
 import json
-import os
 import re
 from pathlib import Path
 
