@@ -64,7 +64,8 @@ def plot(st: dict, path: Path) -> None:
     ax.minorticks_off()
     ax.axvline(1.0, color="grey", lw=0.8)
     what = "CPU time per step" if key == "cpu_ratio" else "step time"
-    ax.set_xlabel(f"{what} / non-DP of the same group, same run (log scale); black tick: arithmetic floor")
+    how = "steps taken in turn" if any("paired_cpu_ratio" in r for r in st["results"]) else "same run"
+    ax.set_xlabel(f"{what} / non-DP of the same group, {how} (log scale); black tick: arithmetic floor")
     ax.set_title("DP step time over non-DP (blue: Lightning+DeepSpeed, 2 procs; orange: 1 process)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         "* lightning-dpzero: the repository's source at the time of the run (the JSON files record its revision)"
         + (", with uncommitted changes" if m.get("engine_dirty") else ""),
         f"* Load average (1, 5, 15 min) before: {m.get('load_average')}, after: {after.get('load_average')}. "
-        "The machine was shared with other jobs, so wall-clock times are mostly waiting for a "
+        "Other jobs can share the machine, and then wall-clock times are mostly waiting for a "
         "core: the verdicts use CPU time per step (summed over the processes, one torch thread each), which "
         "leaves out the time other jobs held the cores; wall-clock ratios are shown beside them. CPU time "
         "still carries the speed of the core, which drifts on this machine: the interleaved ratios compare "
