@@ -86,3 +86,72 @@ def test_largest_model_target_compares_parameter_counts():
     all_ = next(line for line in text.splitlines() if "all-layer against non-DP, ZeRO-2" in line)
     assert "0.960" in layer and "| met |" in layer
     assert "0.900" in all_ and "**missed**" in all_
+
+
+def test_verdicts_use_the_interleaved_ratio_where_it_ran():
+    st = _st(1.50, 1.20)  # the separate launches: all-layer far above its bound
+    st["results"][0].update(paired_cpu_ratio=1.27, paired_time_ratio=1.27, paired_cpu_quartiles=[1.25, 1.30])
+    line = next(line for line in report.targets(st).splitlines()
+                if line.startswith("| all-layer, GPT d 256 (T 128, 4 blocks, micro-batch 8), ZeRO-3"))
+    assert "1.270 (quartiles 1.25–1.30)" in line and "| met |" in line
+    assert report.cpu_ratio(st["results"][1]) == 1.20  # no interleaved run: the separate launch's
+
+
+def test_baton_lets_participants_run_one_at_a_time_in_turn():
+    """Three threads take turns; one leaves after two turns and is skipped from then on."""
+    import threading
+
+    from benchmarks.interleave import Baton
+
+    baton, order, lock = Baton(3), [], threading.Lock()
+    running = [0]
+
+    def work(i, turns):
+        baton.wait(i)
+        for t in range(turns):
+            with lock:
+                running[0] += 1
+                assert running[0] == 1  # nobody else holds the baton
+                order.append(i)
+                running[0] -= 1
+            if t < turns - 1:
+                baton.pass_on(i)
+                baton.wait(i)
+        baton.leave(i)
+
+    threads = [threading.Thread(target=work, args=(i, n)) for i, n in enumerate((3, 2, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 2, 0, 1, 2, 0, 2]
+
+
+def test_single_interleaved_times_every_method_every_round():
+    from benchmarks.interleave import single_interleaved
+
+    case = dict(model="cnn", model_kw=dict(channels=8, image=8, classes=3), batch=4, warmup=1, steps=2,
+                threads=1, accelerator="cpu", seed=0)
+    out = single_interleaved({"warmup": 1, "steps": 2, "cases": [
+        dict(case, name="cnn/1proc/nondp", method="nondp"), dict(case, name="cnn/1proc/ours-layer",
+                                                                  method="ours-layer")]})
+    assert {k: len(v) for k, v in out["cpu_s"].items()} == {"cnn/1proc/nondp": 3, "cnn/1proc/ours-layer": 3}
+    assert all(t > 0 for v in out["step_s"].values() for t in v)
+
+
+@pytest.mark.slow
+def test_a_lightning_group_runs_interleaved_on_two_ranks(tmp_path):
+    """Lightning's DeepSpeedStrategy and DPDeepSpeedStrategy fit in threads of the same two processes, taking
+    turns step by step (ZeRO-2): every round of both is timed, and the paired ratio comes back."""
+    from benchmarks.interleave import run_group
+    from benchmarks.step_time import lightning_case
+
+    common = dict(model="cnn", model_kw=dict(channels=8, image=8, classes=3), stage=2, world=2, batch=4,
+                  warmup=1, steps=3)
+    cases = [lightning_case("cnn/zero2", "nondp", **common),
+             lightning_case("cnn/zero2", "layer", clipping="layer-wise", clipping_fn="abadi", **common)]
+    out = run_group(cases, tmp_path, timeout=300)
+    assert "error" not in out, out.get("log_tail")
+    paired = out["cnn/zero2/layer"]
+    assert paired["paired_rounds"] == 3 and len(paired["paired_baseline_cpu_s"]) == 3
+    assert 0 < paired["paired_cpu_ratio"] < 100
