@@ -144,7 +144,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
                              max_epochs=max_epochs, noise_multiplier=noise_multiplier,
                              target_epsilon=target_epsilon, delta=delta, accountant=accountant,
                              micro_batch_bound=bound)
-    p = 0.0 if bound is None or not plan.planned_steps else plan.planned_steps * bound.exceed_probability(q)
+    p = plan.truncation_probability
     eps = {}
     for acc in ("pld", "rdp"):
         eps[acc] = (epsilon_for(plan.noise_multiplier, delta, q, plan.planned_steps, acc, truncation=p)

@@ -19,7 +19,8 @@ from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 from ._options import Accountant, Sampler, check_option
 from .accounting import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
 from .accounting.accountants import _check_delta
-from .accounting.truncation import MAX_SHARE, MicroBatchBound, smallest_micro_batch_bound, truncation_share
+from .accounting.truncation import (MAX_SHARE, MicroBatchBound, smallest_micro_batch_bound, step_probability,
+                                   truncation_share)
 
 DEFAULT_DELTA = 1e-5
 
@@ -97,6 +98,12 @@ class PrivacyPlan:
     micro_batch_bound: Optional[MicroBatchBound] = None
     truncation_delta: Optional[float] = None
 
+    @property
+    def truncation_probability(self) -> float:
+        """p(T) over the planned steps: the bound on the probability that the micro-batch bound ever truncates a
+        draw (0.0 without a bound or without planned steps)."""
+        return _planned_truncation(self.micro_batch_bound, self.sample_rate, self.planned_steps)
+
     @classmethod
     def for_sampler(cls, sampler, settings: "AccountingSettings", *, noise_multiplier: Optional[float],
                     max_micro_batch_size: Optional[int], accumulate_grad_batches: int,
@@ -151,7 +158,7 @@ class PrivacyPlan:
         elif max_epochs is not None and max_epochs > 0:
             planned = max_epochs * steps_per_epoch
         sigma = noise_multiplier
-        p = 0.0 if micro_batch_bound is None or planned is None else planned * micro_batch_bound.exceed_probability(q)
+        p = _planned_truncation(micro_batch_bound, q, planned)
         if p > 0.0 and target_epsilon is not None:
             check_truncation(micro_batch_bound, q, planned, delta, target_epsilon, p)
         if target_epsilon is not None:
@@ -191,6 +198,10 @@ class PrivacyPlan:
                    delta=delta, planned_steps=planned, sampler_kind=sampler_kind,
                    accountant=accountant, target_epsilon=target_epsilon, shard_sizes=shard_sizes,
                    micro_batch_bound=micro_batch_bound, truncation_delta=share)
+
+
+def _planned_truncation(bound: Optional[MicroBatchBound], q: float, planned: Optional[int]) -> float:
+    return 0.0 if not planned else planned * step_probability(bound, q)
 
 
 def check_truncation(bound: MicroBatchBound, q: float, steps: int, delta: float, epsilon: float, p: float,

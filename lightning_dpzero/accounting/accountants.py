@@ -35,7 +35,7 @@ import dp_accounting
 from .._options import Accountant
 from . import pld as _pld
 from .rdp import rdp_epsilon
-from .truncation import epsilon_with_truncation, truncation_share
+from .truncation import epsilon_with_truncation, step_probability, truncation_share
 
 ACCOUNTANTS = get_args(Accountant)  # ("pld", "rdp")
 
@@ -90,20 +90,20 @@ def _as_runs(entries: Iterable) -> tuple:
 def _exceed_probabilities(entries: Iterable) -> tuple:
     """Per step, the probability bound that a bounded micro-batch truncates a draw, for each run of
     :func:`_as_runs` (0.0 for an entry without ``micro_batch_bound``; docs/privacy.md, *Bounded micro-batches*)."""
-    out = []
-    for e in entries:
-        if int(e.steps):
-            bound = getattr(e, "micro_batch_bound", None)
-            out.append(0.0 if bound is None else bound.exceed_probability(e.sample_rate))
-    return tuple(out)
+    return tuple(step_probability(getattr(e, "micro_batch_bound", None), e.sample_rate) for e in entries
+                 if int(e.steps))
+
+
+def _truncation_of_runs(runs: tuple, tails: tuple) -> float:
+    """Σ_runs steps · (per-step probability): p(T) of ``runs`` with :func:`_exceed_probabilities` ``tails``."""
+    return float(sum(n * t for (_, _, n), t in zip(runs, tails)))
 
 
 def truncation_probability(entries: Iterable) -> float:
     """p(T) = Σ_runs steps · P[some rank's step sample exceeds K·b]: the bound on the probability that a bounded
     micro-batch ever truncated a draw (0.0 when no entry has a bound)."""
     entries = list(entries)
-    return float(sum(int(e.steps) * t for e, t in zip((e for e in entries if int(e.steps)),
-                                                       _exceed_probabilities(entries))))
+    return _truncation_of_runs(_as_runs(entries), _exceed_probabilities(entries))
 
 
 def probability_ever_sampled(runs: tuple) -> float:
@@ -297,7 +297,7 @@ class EpsilonTracker:
         if runs and not exact:
             q, s, n = runs[-1]
             runs = runs[:-1] + ((q, s, self.grid_point(n)),)
-        p = sum(n * t for (_, _, n), t in zip(runs, tails))
+        p = _truncation_of_runs(runs, tails)
         key = (accountant, delta, runs, p)
         found = self._cache.get(key)
         if found is None:

@@ -35,7 +35,7 @@ from .._options import AccountingWorker
 from .accountants import EpsilonTracker
 from .budget import BudgetGuard
 from .ledger import LedgerEntry
-from .truncation import MicroBatchBound
+from .truncation import MicroBatchBound, bound_fields
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,7 @@ def plan_args(plan: tuple) -> tuple:
 
 def plan_tuple(sample_rate: float, noise_multiplier: float, sampler: str, bound: Optional[MicroBatchBound]) -> tuple:
     """The hashable, JSON-able plan tuple of :func:`plan_args`."""
-    fields = (None, None, None) if bound is None else (bound.max_micro_batch_size, bound.accumulate_grad_batches,
-                                                       bound.rank_sizes)
-    return (float(sample_rate), float(noise_multiplier), sampler, *fields)
+    return (float(sample_rate), float(noise_multiplier), sampler, *bound_fields(bound))
 
 
 def ledger_view(ledger) -> LedgerView:

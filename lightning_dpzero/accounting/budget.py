@@ -24,7 +24,7 @@ from typing import Optional
 from .accountants import (EpsilonTracker, _as_runs, _check_accountant, _check_delta, _epsilon_of_runs,
                           truncation_probability)
 from .ledger import LedgerEntry
-from .truncation import MicroBatchBound
+from .truncation import MicroBatchBound, step_probability
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -120,7 +120,7 @@ class BudgetGuard:
         prefix = _as_runs(entries)
         if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
             return None, n_next, entries
-        tail = 0.0 if bound is None else bound.exceed_probability(q)
+        tail = step_probability(bound, q)
         return (prefix, q, sigma, delta, accountant, truncation_probability(entries), tail), n_next, entries
 
     # ------------------------------------------------------------------------------------------ API
@@ -176,8 +176,7 @@ class BudgetGuard:
         found = self.tracker.epsilon(ledger)
         q, sigma, n = runs[-1]
         last = ledger.entries[-1]
-        bound = getattr(last, "micro_batch_bound", None)
-        tail = 0.0 if bound is None else bound.exceed_probability(q)
+        tail = step_probability(getattr(last, "micro_batch_bound", None), q)
         key = (runs[:-1], q, sigma, delta, accountant, truncation_probability(ledger.entries[:-1]), tail)
         limit = self._limits.get(key)
         if limit is not None and n <= limit:

@@ -25,7 +25,7 @@ from typing import Optional
 
 from .._atomic import atomic_write_text
 from .accountants import EpsilonBound, _check_accountant, _check_delta, epsilon_bound
-from .truncation import MicroBatchBound
+from .truncation import MicroBatchBound, bound_fields
 
 SAMPLERS = ("poisson", "shuffle")
 FORMAT = "lightning_dpzero.privacy_ledger"
@@ -90,9 +90,7 @@ class LedgerEntry:
     def of(cls, sample_rate: float, noise_multiplier: float, steps: int, sampler: str = "poisson",
            bound: Optional[MicroBatchBound] = None) -> "LedgerEntry":
         """An entry with ``bound``'s fields (None: no bound)."""
-        extra = () if bound is None else (bound.max_micro_batch_size, bound.accumulate_grad_batches,
-                                           bound.rank_sizes)
-        return cls(sample_rate, noise_multiplier, steps, sampler, *extra)
+        return cls(sample_rate, noise_multiplier, steps, sampler, *bound_fields(bound))
 
     def record(self) -> dict:
         """The fields as hashed and saved: those that are None left out (older ledgers hash as before)."""

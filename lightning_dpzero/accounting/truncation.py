@@ -29,8 +29,8 @@ from typing import Callable, Optional, Sequence
 
 from scipy.stats import binom
 
-__all__ = ["MicroBatchBound", "check_max_micro_batch_size", "exceed_probability", "epsilon_with_truncation",
-           "truncation_share", "smallest_micro_batch_bound", "rank_sizes_of"]
+__all__ = ["MicroBatchBound", "check_max_micro_batch_size", "exceed_probability", "step_probability", "bound_fields",
+           "epsilon_with_truncation", "truncation_share", "smallest_micro_batch_bound", "rank_sizes_of"]
 
 #: the truncation's share (1 + e^ε)·p(T) of δ at the planned steps above which a plan is refused
 MAX_SHARE = 0.5
@@ -72,6 +72,19 @@ class MicroBatchBound:
 def exceed_probability(sample_rate: float, cap: int, rank_sizes: tuple) -> float:
     """Σ_r P[Binomial(n_r + 1, q) > cap] in float64 (``scipy.stats.binom.sf``, exact tails, no cancellation)."""
     return float(sum(binom.sf(cap, n + 1, sample_rate) for n in rank_sizes))
+
+
+def step_probability(bound: Optional[MicroBatchBound], sample_rate: float) -> float:
+    """Per optimizer step, the bound on the probability that ``bound`` truncates a draw at q = ``sample_rate``
+    (:meth:`MicroBatchBound.exceed_probability`); 0.0 without a bound."""
+    return 0.0 if bound is None else bound.exceed_probability(sample_rate)
+
+
+def bound_fields(bound: Optional[MicroBatchBound]) -> tuple:
+    """``(b, K, rank sizes)`` of ``bound``, or three None: the fields a ledger entry and a plan tuple carry."""
+    if bound is None:
+        return (None, None, None)
+    return (bound.max_micro_batch_size, bound.accumulate_grad_batches, bound.rank_sizes)
 
 
 def check_max_micro_batch_size(value) -> Optional[int]:
