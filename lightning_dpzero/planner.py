@@ -123,7 +123,8 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
         (True, 702, 0.5)
     """
     from .accounting import BudgetGuard, PrivacyLedger, epsilon_for
-    from .accounting.truncation import MicroBatchBound, check_max_micro_batch_size, rank_sizes_of
+    from .accounting.truncation import (MicroBatchBound, check_fixed_size_bound, check_max_micro_batch_size,
+                                        rank_sizes_of)
     from .privacy_plan import PrivacyPlan, limited_micro_batches
 
     world = int(devices) * int(num_nodes)
@@ -134,10 +135,9 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     sampler = "poisson" if poisson_sampling else "shuffle"
     bound = None
     if check_max_micro_batch_size(max_micro_batch_size) is not None:
-        if not poisson_sampling and max_micro_batch_size < batch_size:
-            raise ValueError(f"max_micro_batch_size={max_micro_batch_size} is below batch_size={batch_size}, "
-                             "which poisson_sampling=False puts in every micro-batch.")
-        if poisson_sampling:  # fixed-size batches are never truncated
+        if not poisson_sampling:  # fixed-size batches are never truncated: only a b below B is wrong
+            check_fixed_size_bound(max_micro_batch_size, batch_size, "batch_size")
+        else:
             bound = MicroBatchBound(int(max_micro_batch_size), k, rank_sizes_of(dataset_size, world))
     plan = PrivacyPlan.build(dataset_size=dataset_size, sample_rate=q, sampler_kind=sampler,
                              accumulate_grad_batches=k, micro_batches_per_epoch=micro, max_steps=max_steps,

@@ -372,11 +372,9 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
         if dataloader.batch_size is None:
             raise ValueError("poisson_sampling=False needs the DataLoader's batch_size (the per-device "
                              "micro-batch); build the DataLoader with batch_size=B.")
-        if max_micro_batch_size is not None and max_micro_batch_size < dataloader.batch_size:
-            raise ValueError(f"max_micro_batch_size={max_micro_batch_size} is below the DataLoader's batch_size="
-                             f"{dataloader.batch_size}, which poisson_sampling=False puts in every micro-batch: "
-                             "lower the DataLoader's batch_size, or raise max_micro_batch_size (with fixed-size "
-                             "batches it bounds nothing else).")
+        from .accounting.truncation import check_fixed_size_bound  # scipy: imported when used, not at start
+
+        check_fixed_size_bound(max_micro_batch_size, dataloader.batch_size)
         batch_sampler = DistributedShuffledBatchSampler(
             n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
         if not math.isclose(batch_sampler.sample_rate, sample_rate, rel_tol=1e-9):

@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 
 from scipy.stats import binom
 
-__all__ = ["MicroBatchBound", "check_max_micro_batch_size", "exceed_probability", "step_probability", "bound_fields",
+__all__ = ["MicroBatchBound", "check_max_micro_batch_size", "check_fixed_size_bound", "exceed_probability", "step_probability", "bound_fields",
            "epsilon_with_truncation", "truncation_share", "smallest_micro_batch_bound", "rank_sizes_of"]
 
 #: the truncation's share (1 + e^ε)·p(T) of δ at the planned steps above which a plan is refused
@@ -96,6 +96,17 @@ def check_max_micro_batch_size(value) -> Optional[int]:
         raise ValueError(f"max_micro_batch_size must be an integer >= 1 (the most examples one micro-batch may "
                          f"hold) or None (unbounded), got {value!r}.")
     return int(value)
+
+
+def check_fixed_size_bound(max_micro_batch_size: Optional[int], batch_size: int,
+                           name: str = "the DataLoader's batch_size") -> None:
+    """With fixed-size (shuffled) batches every micro-batch holds ``batch_size`` (called ``name`` in the
+    message): a smaller b is refused (``ValueError``), any other b bounds nothing (the one check of the sampler
+    and the planner)."""
+    if max_micro_batch_size is not None and max_micro_batch_size < batch_size:
+        raise ValueError(f"max_micro_batch_size={max_micro_batch_size} is below {name}={batch_size}, which "
+                         "poisson_sampling=False puts in every micro-batch: lower the DataLoader's batch_size, or "
+                         "raise max_micro_batch_size (with fixed-size batches it bounds nothing else).")
 
 
 def rank_sizes_of(dataset_size: int, world_size: int, shard_sizes: Optional[Sequence[int]] = None) -> tuple:
