@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
 from lightning_dpzero.per_sample import paths as paths_mod
@@ -249,6 +250,37 @@ def test_instance_norm_matches_oracle(n, C, size, eps, clip):
 def test_instance_norm_with_running_stats_is_refused():
     with pytest.raises(UnsupportedLayerError, match="track_running_stats=True"):
         PerSampleEngine(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)).attach()
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten operators run while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+def test_group_norm_backward_is_one_kernel_call_on_the_forwards_statistics(clipping):
+    # fp32: the batch folded into the channels gives the input and per-example gradients from one call of
+    # PyTorch's backward kernel with the forward's mean/rstd, so backward normalises nothing a second time
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(64, 3))
+    x, y = torch.randn(5, 2, 6, 6), torch.randn(5, 3)
+    groups = [[f"{i}.weight", f"{i}.bias"] for i in (0, 1, 3)] if clipping == "layer-wise" else None
+    ref = clipped_sum(model, per_example_grads(model, loss_fn, x, y), 0.5, clipping, groups=groups)
+    engine = PerSampleEngine(model, max_grad_norm=0.5, clipping=clipping).attach()
+    with engine.micro_batch(batch_size=5):
+        loss = loss_fn(model(x), y)
+        with _AtenOps() as ops:
+            loss.backward()
+    assert ops.names.count("native_group_norm_backward") == 1 and "native_group_norm" not in ops.names
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 class RMSNet(nn.Module):

@@ -129,6 +129,13 @@ class LayerRule:
         """The layer's output for input ``x`` and the given parameters (the module's own forward)."""
         raise NotImplementedError
 
+    def forward_saving(self, module: nn.Module, x: torch.Tensor, *params: Optional[torch.Tensor]
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """:meth:`forward` and what its backward may reuse instead of recomputing (a normalisation's mean and
+        reciprocal std): the autograd function saves those tensors with the input and hands them to the rule
+        as ``site.kept["forward"]``. Default: the plain forward, nothing saved."""
+        return self.forward(module, x, *params), ()
+
     def grad_input(self, site: Site, params: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """Gradient with respect to ``site.x``; the default recomputes the forward under autograd."""
         with torch.enable_grad():
@@ -211,8 +218,9 @@ class PerSampleFunction(torch.autograd.Function):
     def forward(ctx, hook, x, *params):
         ctx.hook = hook
         ctx.has_params = [p is not None for p in params]
-        ctx.save_for_backward(x, *[p for p in params if p is not None])
-        return hook.rule.forward(hook.module, x, *params)
+        out, reuse = hook.rule.forward_saving(hook.module, x, *params)
+        ctx.save_for_backward(x, *[p for p in params if p is not None], *reuse)
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -221,6 +229,8 @@ class PerSampleFunction(torch.autograd.Function):
         x = saved.pop(0)
         params = [saved.pop(0) if has else None for has in ctx.has_params]
         site = Site(hook, x, g)
+        if saved:  # what the rule's forward_saving kept for this call
+            site.kept["forward"] = tuple(saved)
         gx = hook.rule.grad_input(site, params) if ctx.needs_input_grad[1] else None
         return (None, gx, *hook.engine._on_backward(site, params))
 

@@ -115,13 +115,63 @@ class LayerNormRule(_AffineNormRule):
 
 @register_rule(nn.GroupNorm)
 class GroupNormRule(_AffineNormRule):
-    """``nn.GroupNorm`` (per-channel affine weight and bias)."""
+    """``nn.GroupNorm`` (per-channel affine weight and bias).
+
+    In fp32 outside autocast, the forward keeps its per-(example, group) mean and reciprocal std, and one
+    call of PyTorch's backward kernel gives the input gradient *and* the per-example gradients: the batch
+    folded into the channels (one example of ``B·C`` channels in ``B·G`` groups, the weight tiled B times)
+    normalises every group with the same statistics, and that kernel's weight and bias gradients, ``(B·C,)``,
+    are then the per-example ``Σ_positions x̂ ⊙ g`` and ``Σ_positions g``. So the backward costs what the
+    non-DP one does (no second normalisation, no per-example sums in Python)."""
+
+    def _validate(self, module, x) -> None:
+        """Raise for an input the layer's per-example clipping refuses (InstanceNorm: unbatched)."""
 
     def forward(self, module, x, weight=None, bias=None):
-        return F.group_norm(x, module.num_groups, weight, bias, module.eps)
+        self._validate(module, x)
+        return F.group_norm(x, self._groups(module, x), weight, bias, module.eps)
+
+    def forward_saving(self, module, x, weight=None, bias=None):
+        if not _folds(x, (weight, bias)):
+            return self.forward(module, x, weight, bias), ()
+        self._validate(module, x)
+        N, C = x.shape[0], x.shape[1]
+        out, mean, rstd = torch.native_group_norm(x.contiguous(), weight, bias, N, C, x.numel() // (N * C),
+                                                  self._groups(module, x), module.eps)
+        return out, (mean, rstd)
 
     def _groups(self, module, x) -> int:
         return module.num_groups
+
+    def _stats(self, site):
+        """The forward's (mean, rstd), ``(B, G)``, else recomputed from the saved input."""
+        kept = site.kept.get("forward")  # kept: a second call (per-example gradients not kept) reads it again
+        if kept is not None:
+            return kept
+        x = site.x.contiguous()
+        N, C = x.shape[0], x.shape[1]
+        return torch.native_group_norm(x, None, None, N, C, x.numel() // (N * C), self._groups(site.module, x),
+                                       site.module.eps)[1:]
+
+    def _folded_backward(self, site, weight, input_grad: bool):
+        """``(input gradient or None, (B, C) weight and (B, C) bias per-example gradients)`` from one call of
+        PyTorch's GroupNorm backward kernel with the batch folded into the channels."""
+        x, g = site.x.contiguous(), site.g.contiguous()
+        B, C = x.shape[0], x.shape[1]
+        mean, rstd = self._stats(site)
+        # the weight scales only the input gradient; the kernel sizes its weight gradient by it, so it is given
+        w = weight.repeat(B) if weight is not None else x.new_ones(B * C)
+        gx, gw, gb = torch.ops.aten.native_group_norm_backward(
+            g.view(1, B * C, -1), x.view(1, B * C, -1), mean.reshape(1, -1), rstd.reshape(1, -1), w, 1, B * C,
+            x.numel() // (B * C), mean.numel(), [input_grad, True, True])
+        return (gx.view(x.shape) if input_grad else None), (gw.view(B, C), gb.view(B, C))
+
+    def grad_input(self, site, params):
+        weight = params[0] if params else None
+        if not _folds(site.x, (weight, *params[1:]), site.g):
+            return super().grad_input(site, params)
+        gx, site.kept["folded"] = self._folded_backward(site, weight, input_grad=True)
+        return gx
 
     def _native(self, site, params):
         module, x, g = site.module, site.x, site.g
@@ -137,12 +187,26 @@ class GroupNormRule(_AffineNormRule):
         return gx, x, xh
 
     def _per_example(self, site):
+        folded = site.kept.pop("folded", None)
+        if folded is not None:
+            return folded
         module, x, g = site.module, site.x, site.g
+        if _folds(x, (), g):
+            return self._folded_backward(site, None, input_grad=False)[1]
         xh = self._take_xhat(site)
         if xh is None:
-            xh = F.group_norm(x.float(), module.num_groups, None, None, module.eps)
+            xh = F.group_norm(x.float(), self._groups(module, x), None, None, module.eps)
         gf = g.float().flatten(2) if g.dim() > 2 else g.float().unsqueeze(2)
         return (xh.reshape(gf.shape) * gf).sum(2), gf.sum(2)
+
+
+def _folds(x, params, g=None) -> bool:
+    """The folded-batch kernels apply: a batched fp32 input (with fp32 parameters and output gradient),
+    outside autocast (whose policy for ``group_norm`` a direct kernel call would bypass)."""
+    return (x.dim() >= 2 and x.shape[0] > 0 and x.dtype == torch.float32
+            and (g is None or g.dtype == torch.float32)
+            and all(p is None or p.dtype == torch.float32 for p in params)
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -159,25 +223,18 @@ class InstanceNormRule(GroupNormRule):
                 "model would not be differentially private. Fix: construct it with track_running_stats=False "
                 "(the default).")
 
-    def forward(self, module, x, weight=None, bias=None):
+    def _validate(self, module, x):
         n = module._get_no_batch_dim() - 1  # spatial dimensions
         if x.dim() != n + 2:
             raise UnsupportedLayerError(
                 f"{type(module).__name__} received an input of shape {tuple(x.shape)}; per-example clipping "
                 f"needs a batched input (B, C, {', '.join('*' * n)}), batch first.")
-        # = F.instance_norm (per-example, per-channel statistics), which fails on an empty batch when affine
-        return F.group_norm(x, x.shape[1], weight, bias, module.eps)
+
+    # forward: = F.instance_norm (per-example, per-channel statistics) as GroupNorm with C groups, which,
+    # unlike F.instance_norm, also runs on an empty batch when affine
 
     def _groups(self, module, x) -> int:
         return x.shape[1]
-
-    def _per_example(self, site):
-        module, x, g = site.module, site.x, site.g
-        xh = self._take_xhat(site)
-        if xh is None:
-            xh = F.instance_norm(x.float(), eps=module.eps)
-        gf = g.float().flatten(2)
-        return (xh.flatten(2) * gf).sum(2), gf.sum(2)
 
 
 @register_rule(nn.RMSNorm)
