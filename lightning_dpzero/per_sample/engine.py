@@ -39,6 +39,7 @@ from .base import LayerHook, Site, UnsupportedLayerError, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
+from .layout import batch_checked_input, run_layout_check
 from .maths import param_shape
 from .window import WindowBuffer
 
@@ -234,30 +235,7 @@ class PerSampleEngine:
         if not self.clipping_now():
             self._record_call(hook, (x, *extra[0]), extra[1])
             return hook.original_forward(x, extra)
-        found = hook.rule.batch_size(hook.module, x, extra)
-        if found is None:
-            raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
-        n, dim = found
-        if isinstance(x, torch.Tensor) and x.dim() < hook.rule.min_input_dim:
-            # a (T,) index such as nanoGPT's pos_emb(torch.arange(T)) has no batch dimension; when T equals the
-            # micro-batch size it would pass the check below and mix examples' gradients
-            raise UnsupportedLayerError(
-                f"{type(hook.module).__name__} '{hook.name}' received indices of shape {tuple(x.shape)}, with no "
-                "batch dimension; per-example clipping needs (B, T) or (1, T) indices (a (1, T) input is used for "
-                "every example): e.g. pos_emb(torch.arange(T, device=x.device)[None]), and (B, 1) for one index "
-                "per example.")
-        b = self.expected_batch_size
-        if b is not None and n == 1 and b != 1 and hook.rule.broadcast_batch:  # (dimension 0 rules only)
-            x, n = x.expand(b, *x.shape[1:]), b
-        if b is not None and n != b:
-            where = (f"whose first dimension is {n}" if dim == 0 else f"whose batch dimension ({dim}) is {n}"
-                     if dim is not None else f"of {n} examples (the micro-batch size is read from the batch's "
-                     "first tensor: put one with a row per example, e.g. the labels, before flat indices)")
-            raise UnsupportedLayerError(
-                f"{type(hook.module).__name__} '{hook.name}' received an input {where}, but the "
-                f"micro-batch has {b} examples. Per-example clipping needs the batch dimension first in every "
-                "layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), and use batch_first=True."
-            )
+        x = batch_checked_input(hook, x, extra, self.expected_batch_size)
         self._register_site(hook)
         return run_call(hook, x, hook.rule.params(hook.module), extra)
 
@@ -287,8 +265,6 @@ class PerSampleEngine:
             >>> engine.check_layout(lambda i: model(x if i is None else x[i]).sum(), batch_size=5)
             True
         """
-        from .layout import run_layout_check
-
         if not self.layout_verified:
             self.layout_verified = run_layout_check(self, run_forward, batch_size, collectives)
         return self.layout_verified

@@ -45,6 +45,39 @@ TOL, HALF_TOL = 1e-3, 3e-2
 SHOWN = 3
 
 
+def batch_checked_input(hook, x: Any, extra: tuple[tuple, dict], expected: Optional[int]) -> Any:
+    """One call's input, checked against the micro-batch before the call runs: its batch (the rule's
+    :meth:`~.base.LayerRule.batch_size`) must be ``expected`` examples, in dimension 0 unless the rule says
+    otherwise; a ``(1, ...)`` input of a ``broadcast_batch`` rule is expanded to the batch. ``expected``
+    ``None``: not known (read from the input). Raises ``UnsupportedLayerError`` naming the layer and the fix
+    (batch first; no flattening of the batch into the rows)."""
+    found = hook.rule.batch_size(hook.module, x, extra)
+    if found is None:
+        raise UnsupportedLayerError(f"'{hook.name}' needs a tensor input with the batch dimension first.")
+    n, dim = found
+    if isinstance(x, torch.Tensor) and x.dim() < hook.rule.min_input_dim:
+        # a (T,) index such as nanoGPT's pos_emb(torch.arange(T)) has no batch dimension; when T equals the
+        # micro-batch size it would pass the check below and mix examples' gradients
+        raise UnsupportedLayerError(
+            f"{type(hook.module).__name__} '{hook.name}' received indices of shape {tuple(x.shape)}, with no "
+            "batch dimension; per-example clipping needs (B, T) or (1, T) indices (a (1, T) input is used for "
+            "every example): e.g. pos_emb(torch.arange(T, device=x.device)[None]), and (B, 1) for one index "
+            "per example.")
+    b = expected
+    if b is not None and n == 1 and b != 1 and hook.rule.broadcast_batch:  # (dimension 0 rules only)
+        x, n = x.expand(b, *x.shape[1:]), b
+    if b is not None and n != b:
+        where = (f"whose first dimension is {n}" if dim == 0 else f"whose batch dimension ({dim}) is {n}"
+                 if dim is not None else f"of {n} examples (the micro-batch size is read from the batch's "
+                 "first tensor: put one with a row per example, e.g. the labels, before flat indices)")
+        raise UnsupportedLayerError(
+            f"{type(hook.module).__name__} '{hook.name}' received an input {where}, but the "
+            f"micro-batch has {b} examples. Per-example clipping needs the batch dimension first in every "
+            "layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), and use batch_first=True."
+        )
+    return x
+
+
 def index_map(b: int) -> torch.Tensor:
     """The re-indexing ``s`` of a micro-batch of ``b`` examples: a fixed permutation with ``s[1] = s[0]``."""
     s = torch.randperm(b, generator=torch.Generator().manual_seed(0))
