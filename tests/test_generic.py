@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
+from dispatch import AtenOps
 from oracle import clipped_sum, per_example_grads
 
 
@@ -242,6 +243,20 @@ def _rms(self, x):
 def _gemma(self, x):
     h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+@pytest.mark.parametrize("name, forward", [("LlamaRMSNorm", _rms), ("GemmaRMSNorm", _gemma)])
+def test_hf_rmsnorm_backward_normalises_once(name, forward):
+    # fp32: one normalisation in the backward (the closed form), not the class's forward again under autograd
+    # and a third time for the per-example gradients
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 6), _hf_named(name, forward)(6), nn.Linear(6, 2))
+    engine = PerSampleEngine(model, max_grad_norm=0.1).attach()
+    with engine.micro_batch(batch_size=4):
+        loss = model(torch.randn(4, 5, 3)).pow(2).mean()
+        with AtenOps() as ops:
+            loss.backward()
+    assert ops.count("rsqrt") == 1
 
 
 def _centred(self, x):  # a same-named class that computes something else

@@ -19,12 +19,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
 from lightning_dpzero.per_sample import paths as paths_mod
 from lightning_dpzero.per_sample import registry
 from lightning_dpzero.per_sample.base import Site
+from dispatch import AtenOps
 from oracle import clipped_sum, per_example_grads
 
 # LAYER_EXAMPLES=500 for a deeper run; the default keeps the file well under a minute on 2 cores
@@ -252,18 +252,6 @@ def test_instance_norm_with_running_stats_is_refused():
         PerSampleEngine(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)).attach()
 
 
-class _AtenOps(TorchDispatchMode):
-    """The aten operators run while active, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
 def test_group_norm_backward_is_one_kernel_call_on_the_forwards_statistics(clipping):
     # fp32: the batch folded into the channels gives the input and per-example gradients from one call of
@@ -276,9 +264,9 @@ def test_group_norm_backward_is_one_kernel_call_on_the_forwards_statistics(clipp
     engine = PerSampleEngine(model, max_grad_norm=0.5, clipping=clipping).attach()
     with engine.micro_batch(batch_size=5):
         loss = loss_fn(model(x), y)
-        with _AtenOps() as ops:
+        with AtenOps() as ops:
             loss.backward()
-    assert ops.names.count("native_group_norm_backward") == 1 and "native_group_norm" not in ops.names
+    assert ops.count("native_group_norm_backward") == 1 and ops.count("native_group_norm") == 0
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
@@ -304,6 +292,20 @@ def test_rmsnorm_matches_oracle(d, T, two_dims, eps, affine, clip):
         with torch.no_grad():
             model.norm.weight.normal_()
     check_oracle(model, torch.randn(clip["B"], T, d), clip)
+
+
+def test_rmsnorm_backward_normalises_once():
+    # fp32: the input gradient in closed form from one normalisation, whose x̂ the per-example gradients reuse
+    # (no forward recomputed under autograd, no second normalisation for the norms)
+    torch.manual_seed(0)
+    model = RMSNet(6, (6,), None, True)
+    x, y = torch.randn(4, 5, 6), torch.randn(4, 10)
+    engine = PerSampleEngine(model, max_grad_norm=0.5).attach()
+    with engine.micro_batch(batch_size=4):
+        loss = loss_fn(model(x), y)
+        with AtenOps() as ops:
+            loss.backward()
+    assert ops.count("rsqrt") == 1 and ops.count("rms_norm", "_fused_rms_norm") == 0
 
 
 # ---------------------------------------------------------------------------------------------- MultiheadAttention

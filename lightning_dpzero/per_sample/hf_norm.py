@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from .base import RuleDoesNotApply
-from .normalization import _AffineNormRule
+from .normalization import _AffineNormRule, _fp32_eager, rms_backward
 from .registry import register_rule
 
 #: the classes matched by name (any other RMSNorm of transformers gets the generic rule, which is exact too)
@@ -25,6 +25,10 @@ HF_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm
                 "MistralRMSNorm", "MixtralRMSNorm", "Phi3RMSNorm", "GemmaRMSNorm", "Gemma2RMSNorm",
                 "Gemma3RMSNorm", "Olmo2RMSNorm", "GraniteRMSNorm", "DeepseekV3RMSNorm", "SmolLM3RMSNorm",
                 "T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm", "LongT5LayerNorm")
+
+
+#: per class, the c of ``(c + w) ⊙ x̂`` that :meth:`HFRMSNormRule.check` found (a fact of the class's code)
+_OFFSETS: dict[type, float] = {}
 
 
 def _eps(module):
@@ -59,15 +63,29 @@ class HFRMSNormRule(_AffineNormRule):
         with torch.no_grad(), _weight(module, wr):
             out = type(module).forward(module, x).float()
         xh = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        if not any(torch.allclose(out, (wr + c) * xh, rtol=1e-4, atol=1e-5) for c in (0.0, 1.0)):
+        offsets = [c for c in (0.0, 1.0) if torch.allclose(out, (wr + c) * xh, rtol=1e-4, atol=1e-5)]
+        if not offsets:
             raise RuleDoesNotApply(f"{type(module).__name__} '{name}' computes something else")
+        _OFFSETS[type(module)] = offsets[0]
 
     def forward(self, module, x, weight):
         with _weight(module, weight):
             return type(module).forward(module, x)
 
+    def grad_input(self, site, params):
+        """In fp32 (where the class's casts are no-ops) the closed form of :func:`.normalization.rms_backward`,
+        whose x̂ the per-example gradients reuse; otherwise the class's forward recomputed under autograd."""
+        x, g, offset = site.x, site.g, _OFFSETS.get(type(site.module))
+        if offset is None or not _fp32_eager(x, g, *params) or x.numel() == 0:
+            return super().grad_input(site, params)
+        gx, xh = rms_backward(x, g, params[0], _eps(site.module), x.shape[-1], offset)
+        site.kept["xhat"] = (x, xh)
+        return gx
+
     def _per_example(self, site):
         x, g = site.x, site.g
-        xf = x.float()
-        xh = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps(site.module))
+        xh = self._take_xhat(site)
+        if xh is None:
+            xf = x.float()
+            xh = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps(site.module))
         return ((xh * g.float()).reshape(x.shape[0], -1, x.shape[-1]).sum(1),)

@@ -203,10 +203,7 @@ class GroupNormRule(_AffineNormRule):
 def _folds(x, params, g=None) -> bool:
     """The folded-batch kernels apply: a batched fp32 input (with fp32 parameters and output gradient),
     outside autocast (whose policy for ``group_norm`` a direct kernel call would bypass)."""
-    return (x.dim() >= 2 and x.shape[0] > 0 and x.dtype == torch.float32
-            and (g is None or g.dtype == torch.float32)
-            and all(p is None or p.dtype == torch.float32 for p in params)
-            and not torch.is_autocast_enabled(x.device.type))
+    return x.dim() >= 2 and x.shape[0] > 0 and _fp32_eager(x, g, *params)
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -237,9 +234,32 @@ class InstanceNormRule(GroupNormRule):
         return x.shape[1]
 
 
+def rms_backward(x: torch.Tensor, g: torch.Tensor, weight: Optional[torch.Tensor], eps: float, n: int,
+                 offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input gradient, x̂)`` of ``out = (offset + w) ⊙ x̂``, ``x̂ = x · r``, ``r = (mean(x²) + eps)^(-1/2)`` over
+    the last ``n`` elements of each row, in closed form: ``∂L/∂x = r · (h − x̂ · mean(h ⊙ x̂))`` with
+    ``h = (offset + w) ⊙ g``. One normalisation, whose x̂ the per-example gradients then reuse (PyTorch has no
+    RMSNorm backward kernel on the CPU, and recomputing the forward under autograd normalises twice more)."""
+    shape = x.shape
+    xr, gr = x.reshape(-1, n), g.reshape(-1, n)
+    r = torch.linalg.vector_norm(xr, dim=1, keepdim=True).pow_(2).div_(n).add_(eps).rsqrt_()
+    xh = xr * r
+    h = gr if weight is None and offset == 0.0 else gr * (weight.reshape(1, n) + offset)
+    gx = (h - xh * (h * xh).mean(1, keepdim=True)).mul_(r)
+    return gx.view(shape), xh.view(shape)
+
+
+def _fp32_eager(*tensors) -> bool:
+    """fp32 tensors outside autocast: where a closed-form backward gives what autograd of the layer's own
+    forward gives (its casts are then no-ops)."""
+    return (all(t is None or t.dtype == torch.float32 for t in tensors)
+            and not torch.is_autocast_enabled(tensors[0].device.type))
+
+
 @register_rule(nn.RMSNorm)
 class RMSNormRule(_AffineNormRule):
-    """``nn.RMSNorm`` (weight only): per-example gradient ``Σ_positions x̂ ⊙ g``, x̂ = x / rms(x)."""
+    """``nn.RMSNorm`` (weight only): per-example gradient ``Σ_positions x̂ ⊙ g``, x̂ = x / rms(x); in fp32 the input
+    gradient is :func:`rms_backward`'s, whose x̂ the per-example gradients reuse."""
 
     param_names = ("weight",)
 
@@ -250,10 +270,20 @@ class RMSNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None):
         return F.rms_norm(x, module.normalized_shape, weight, self._eps(module, x))
 
+    def grad_input(self, site, params):
+        module, x, g = site.module, site.x, site.g
+        if not _fp32_eager(x, g, *params) or x.numel() == 0:
+            return super().grad_input(site, params)
+        gx, xh = rms_backward(x, g, params[0], self._eps(module, x), math.prod(module.normalized_shape))
+        site.kept["xhat"] = (x, xh)
+        return gx
+
     def _per_example(self, site):
         module, x, g = site.module, site.x, site.g
         n = math.prod(module.normalized_shape)
         B = x.shape[0]
         T = x.numel() // max(B * n, 1)
-        xh = F.rms_norm(x.float(), module.normalized_shape, None, self._eps(module, x))
+        xh = self._take_xhat(site)
+        if xh is None:
+            xh = F.rms_norm(x.float(), module.normalized_shape, None, self._eps(module, x))
         return ((xh.reshape(B, T, n) * g.float().reshape(B, T, n)).sum(1),)
