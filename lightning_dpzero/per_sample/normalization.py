@@ -2,11 +2,20 @@
 
 Their parameters are small (p = normalised size or channels), so the per-example gradients
 ``Σ_positions x̂ ⊙ g`` (weight) and ``Σ_positions g`` (bias), shape ``(B, p)`` fp32, are cheap to form
-exactly; x̂ is the input normalised without the affine map, in fp32. LayerNorm and GroupNorm/InstanceNorm
-compute the input gradient with PyTorch's own backward kernel from one normalisation of the saved input,
-whose x̂ the norms reuse (fp32 inputs; other dtypes recompute x̂ in fp32), and the ``(B, p)`` per-example
-gradients of the norm are kept for the site's clipped sum (both on the call's ``Site``; whether to keep is
-:func:`.paths.may_keep`'s): one normalisation per backward instead of three.
+exactly; x̂ is the input normalised without the affine map, in fp32. How the backward avoids normalising
+the input again and again (fp32; other dtypes recompute x̂ in fp32 and the input gradient under autograd or
+with PyTorch's kernel):
+
+* LayerNorm: PyTorch's own backward kernel from one normalisation of the saved input, whose x̂ the norms
+  reuse;
+* GroupNorm / InstanceNorm: the forward's mean and reciprocal std (saved through
+  :meth:`~.base.LayerRule.forward_saving`) and one call of PyTorch's backward kernel with the batch folded
+  into the channels, which gives the per-example gradients too: no normalisation in the backward;
+* RMSNorm: the input gradient in closed form (:func:`rms_backward`) from one normalisation, whose x̂ the
+  norms reuse (PyTorch has no RMSNorm backward kernel on the CPU).
+
+The ``(B, p)`` per-example gradients are kept for the site's clipped sum (on the call's ``Site``; whether to
+keep is :func:`.paths.may_keep`'s).
 
 All of these normalise each example with its own statistics, so per-example gradients exist. InstanceNorm
 with ``track_running_stats=True`` is refused: its running mean and variance are averages over the training
