@@ -274,10 +274,14 @@ class RMSNormRule(_AffineNormRule):
 
     @staticmethod
     def _eps(module, x):
-        return module.eps if module.eps is not None else torch.finfo(x.dtype).eps  # as F.rms_norm, in x's dtype
+        """The eps the layer's forward uses: its own, or for ``eps=None`` the machine epsilon of the type
+        ``F.rms_norm`` computes in (float32 for 16-bit inputs, not the input's own type)."""
+        if module.eps is not None:
+            return module.eps
+        return torch.finfo(torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype).eps
 
     def forward(self, module, x, weight=None):
-        return F.rms_norm(x, module.normalized_shape, weight, self._eps(module, x))
+        return F.rms_norm(x, module.normalized_shape, weight, module.eps)  # the module's own call, eps=None too
 
     def grad_input(self, site, params):
         module, x, g = site.module, site.x, site.g
