@@ -132,3 +132,35 @@ def test_the_engines_forward_under_autocast_is_the_layers_own(name, dtype):
         assert torch.equal(out, ref), (out - ref).abs().max()
     else:
         torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+# all-layer: the 64-wide layers' per-example gradients are not kept, so their clipped sums are matmuls at the
+# end of backward (the engine's deferred writes), which autocast would also turn to 16-bit
+LAYERS_INSIDE = {**{k: LAYERS[k] for k in ("Conv1d", "LayerNorm", "MultiheadAttention", "GRU")},
+                 "MLP": (lambda: nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)), _floats(64), True)}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("name", list(LAYERS_INSIDE))
+def test_a_backward_called_inside_autocast_gives_what_one_outside_gives(name, clipping):
+    # PyTorch's guide calls backward outside autocast; inside it, autocast would also apply to the ops the
+    # rules' backward calls (Conv1d's reflect padding became fp32 against bf16 gradients, and the kernel failed)
+    grads = []
+    for inside in (False, True):
+        make, inputs, _ = LAYERS_INSIDE[name]
+        torch.manual_seed(0)
+        module = make()
+        x = inputs(torch.float32, 1.0)
+        engine = PerSampleEngine(module, max_grad_norm=1.0, clipping=clipping).attach()
+        with engine.micro_batch(batch_size=B):
+            with torch.autocast("cpu", torch.bfloat16):
+                out = _call(module, x)
+                if inside:
+                    out.float().sum().backward()
+            if not inside:
+                out.float().sum().backward()
+        engine.detach()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -21,8 +21,9 @@ in one go (:meth:`~LayerRule.backward_multi`). ``site.x`` and ``site.g`` are the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -231,8 +232,9 @@ class PerSampleFunction(torch.autograd.Function):
         site = Site(hook, x, g)
         if saved:  # what the rule's forward_saving kept for this call
             site.kept["forward"] = tuple(saved)
-        gx = hook.rule.grad_input(site, params) if ctx.needs_input_grad[1] else None
-        return (None, gx, *hook.engine._on_backward(site, params))
+        with no_autocast():
+            gx = hook.rule.grad_input(site, params) if ctx.needs_input_grad[1] else None
+            return (None, gx, *hook.engine._on_backward(site, params))
 
 
 class MultiInputFunction(torch.autograd.Function):
@@ -255,8 +257,26 @@ class MultiInputFunction(torch.autograd.Function):
         inputs = Inputs(saved[:n], ctx.options)
         rest = saved[n:]
         params = [rest.pop(0) if has else None for has in ctx.has_params]
-        gin, x, g = hook.rule.backward_multi(hook.module, inputs, params, grads, ctx.needs_input_grad[3:3 + n])
-        return (None, None, None, *gin, *hook.engine._on_backward(Site(hook, x, g), params))
+        with no_autocast():
+            gin, x, g = hook.rule.backward_multi(hook.module, inputs, params, grads, ctx.needs_input_grad[3:3 + n])
+            return (None, None, None, *gin, *hook.engine._on_backward(Site(hook, x, g), params))
+
+
+@contextlib.contextmanager
+def no_autocast() -> Iterator[None]:
+    """The engine's backward work (the rules' backward, the deferred clipped sums) runs outside autocast even
+    when the user's ``backward()`` call is inside it, which PyTorch advises against and which would then apply to
+    every op a custom backward calls: norms and coefficients would be formed in 16-bit, and an autocast policy
+    applied to a rule's padding or recomputation would mix dtypes. The rules cast explicitly."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda", "xpu", "mps", "hpu"):
+            try:
+                enabled = torch.is_autocast_enabled(device)
+            except (RuntimeError, ValueError):  # a device type this PyTorch does not know
+                continue
+            if enabled:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def run_call(hook: "LayerHook", x: torch.Tensor, params: list, extra: tuple[tuple, dict]):

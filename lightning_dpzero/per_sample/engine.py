@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .._options import LossReduction, check_option
-from .base import LayerHook, Site, UnsupportedLayerError, run_call
+from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
 from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
                        validate_group_thresholds)
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
@@ -375,6 +375,10 @@ class PerSampleEngine:
 
     def finalize(self) -> None:
         """End of a backward pass: deferred gradients are added to ``p.grad``, statistics updated."""
+        with no_autocast():
+            self._finalize()
+
+    def _finalize(self) -> None:
         for k in list(self._records):  # a group some of whose sites never ran backward (unused output)
             self._complete(k, None)
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
