@@ -72,15 +72,14 @@ class HFRMSNormRule(_AffineNormRule):
         with _weight(module, weight):
             return type(module).forward(module, x)
 
-    def grad_input(self, site, params):
-        """In fp32 (where the class's casts are no-ops) the closed form of :func:`.normalization.rms_backward`,
-        whose x̂ the per-example gradients reuse; otherwise the class's forward recomputed under autograd."""
+    def _native(self, site, params):
+        """In fp32 (where the class's casts are no-ops) the closed form of :func:`.normalization.rms_backward`;
+        otherwise ``None``: the class's forward recomputed under autograd."""
         x, g, offset = site.x, site.g, _OFFSETS.get(type(site.module))
         if offset is None or not _fp32_eager(x, g, *params) or x.numel() == 0:
-            return super().grad_input(site, params)
+            return None
         gx, xh = rms_backward(x, g, params[0], _eps(site.module), x.shape[-1], offset)
-        site.kept["xhat"] = (x, xh)
-        return gx
+        return gx, x, xh
 
     def _per_example(self, site):
         x, g = site.x, site.g

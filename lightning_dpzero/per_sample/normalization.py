@@ -47,13 +47,14 @@ class _AffineNormRule(LayerRule):
         raise NotImplementedError
 
     def _native(self, site, params) -> Optional[tuple]:
-        """``(input gradient, the input it was computed from, x̂)`` from PyTorch's own backward kernel after
-        one normalisation, or ``None`` where the layer has no such kernel or the call does not suit it."""
+        """``(input gradient, the input it was computed from, x̂)`` from one normalisation (PyTorch's own backward
+        kernel, or a closed form), or ``None`` where the layer has neither or the call does not suit it."""
         return None
 
     def grad_input(self, site, params):
-        """PyTorch's own backward from one normalisation, whose x̂ the norms then reuse (fp32 inputs), where
-        input, gradient and parameters share a dtype; otherwise the forward recomputed under autograd."""
+        """The input gradient from one normalisation (:meth:`_native`), whose x̂ the norms then reuse (fp32
+        inputs), where input, gradient and parameters share a dtype; otherwise the forward recomputed under
+        autograd."""
         native = self._native(site, params) if _same_dtype(site.x, site.g, params) else None
         if native is None:
             return super().grad_input(site, params)
@@ -283,13 +284,12 @@ class RMSNormRule(_AffineNormRule):
     def forward(self, module, x, weight=None):
         return F.rms_norm(x, module.normalized_shape, weight, module.eps)  # the module's own call, eps=None too
 
-    def grad_input(self, site, params):
+    def _native(self, site, params):
         module, x, g = site.module, site.x, site.g
         if not _fp32_eager(x, g, *params) or x.numel() == 0:
-            return super().grad_input(site, params)
+            return None
         gx, xh = rms_backward(x, g, params[0], self._eps(module, x), math.prod(module.normalized_shape))
-        site.kept["xhat"] = (x, xh)
-        return gx
+        return gx, x, xh
 
     def _per_example(self, site):
         module, x, g = site.module, site.x, site.g
