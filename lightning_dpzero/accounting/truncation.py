@@ -29,8 +29,9 @@ from typing import Callable, Optional, Sequence
 
 from scipy.stats import binom
 
-__all__ = ["MicroBatchBound", "check_max_micro_batch_size", "check_fixed_size_bound", "exceed_probability", "step_probability", "bound_fields",
-           "epsilon_with_truncation", "truncation_share", "smallest_micro_batch_bound", "rank_sizes_of"]
+__all__ = ["MicroBatchBound", "check_max_micro_batch_size", "check_fixed_size_bound", "exceed_probability",
+           "step_probability", "bound_fields", "epsilon_with_truncation", "truncation_share",
+           "smallest_micro_batch_bound", "rank_sizes_of"]
 
 #: the truncation's share (1 + e^ε)·p(T) of δ at the planned steps above which a plan is refused
 MAX_SHARE = 0.5
