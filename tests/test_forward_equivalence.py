@@ -67,7 +67,7 @@ LAYERS = {
     "T5LayerNorm": (_hf_rmsnorm("t5", "T5LayerNorm"), _floats(4, 6), True),
 }
 
-# 16-bit types the layer runs in on the CPU (PyTorch's CPU kernels for these layers)
+# the dtypes each layer runs in (a combination PyTorch's CPU kernels do not run is skipped)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
        torch.float16: dict(rtol=1e-3, atol=1e-3)}
@@ -107,6 +107,15 @@ def _forwards(name, dtype, scale, autocast):
     return out, ref
 
 
+def _assert_is_the_layers_own(name, out, ref, dtype):
+    """Bit for bit where the rule runs the module's own code, else to ``dtype``'s rounding."""
+    assert out.dtype == ref.dtype
+    if LAYERS[name][2]:
+        assert torch.equal(out, ref), (out - ref).abs().max()
+    else:
+        torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("scale", [1.0, 1e-2])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -114,11 +123,7 @@ def _forwards(name, dtype, scale, autocast):
 def test_the_engines_forward_is_the_layers_own(name, dtype, scale):
     dtype = DTYPES[dtype]
     out, ref = _forwards(name, dtype, scale, autocast=False)
-    assert out.dtype == ref.dtype
-    if LAYERS[name][2]:
-        assert torch.equal(out, ref), (out - ref).abs().max()
-    else:
-        torch.testing.assert_close(out, ref, **TOL[dtype])
+    _assert_is_the_layers_own(name, out, ref, dtype)
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -127,11 +132,7 @@ def test_the_engines_forward_is_the_layers_own(name, dtype, scale):
 def test_the_engines_forward_under_autocast_is_the_layers_own(name, dtype):
     # fp32 parameters and inputs, 16-bit autocast: the rule must follow autocast's policy for the layer
     out, ref = _forwards(name, dtype, 1e-2, autocast=True)
-    assert out.dtype == ref.dtype
-    if LAYERS[name][2]:
-        assert torch.equal(out, ref), (out - ref).abs().max()
-    else:
-        torch.testing.assert_close(out, ref, **TOL[dtype])
+    _assert_is_the_layers_own(name, out, ref, dtype)
 
 
 # all-layer: the 64-wide layers' per-example gradients are not kept, so their clipped sums are matmuls at the
