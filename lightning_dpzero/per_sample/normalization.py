@@ -178,7 +178,7 @@ class GroupNormRule(_AffineNormRule):
 
     def grad_input(self, site, params):
         weight = params[0] if params else None
-        if not _folds(site.x, (weight, *params[1:]), site.g):
+        if not _folds(site.x, params, site.g):
             return super().grad_input(site, params)
         gx, site.kept["folded"] = self._folded_backward(site, weight, input_grad=True)
         return gx
