@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from ._collectives import sum_over_ranks
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
 
 _LOOP = ("The loop of a DP Fabric run is, per optimizer step: draw one batch from the loader that "
@@ -135,7 +136,7 @@ class FabricSteps:
         local = [float(v) for v in (stats or (0, 0, 0.0))] + [refuse, eps]
         values = torch.tensor(local, dtype=torch.float64, device=device)
         if collectives.world_size > 1:
-            values = collectives.reduce(values, reduce_op="sum")
+            values = sum_over_ranks(collectives, values)
         examples, clipped, norm_sum, refuse, eps = values.cpu().tolist()
         self.next_step_allowed = refuse == 0
         self.metrics = {"epsilon": eps, "delta": ledger.delta, "noise_multiplier": plan.noise_multiplier,

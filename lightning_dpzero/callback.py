@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ._collectives import sum_over_ranks
 from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
 from .accounting.background import AccountingAhead, Answerer
@@ -214,7 +215,7 @@ class PrivacyAccountantCallback(Callback):
         if trainer.world_size > 1:
             # every rank reaches the same boundaries; one small all-reduce keeps ranks from ever disagreeing
             t = torch.tensor(local + [refuse], dtype=torch.float64, device=trainer.strategy.root_device)
-            t = trainer.strategy.reduce(t, reduce_op="sum")
+            t = sum_over_ranks(trainer.strategy, t)
             values = t.cpu().tolist()
             local, refuse = values[:-1], values[-1]
         self._next_step_allowed = refuse == 0

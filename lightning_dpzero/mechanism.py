@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from ._collectives import Collectives, SingleProcess
+from ._collectives import Collectives, SingleProcess, sum_over_ranks
 from ._micro_batch import logging_suppressed, non_finite_loss_message, zero_loss
 from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
@@ -314,7 +314,7 @@ class DPMechanism:
         flags = torch.stack([torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32),
                              torch.tensor(float(self._stop_requested), device=loss.device)])
         if world > 1:  # the one collective of every micro-batch: a stop request rides along (see request_stop)
-            flags = self.collectives.reduce(flags, reduce_op="sum")
+            flags = sum_over_ranks(self.collectives, flags)
         bad, stop = (float(v) for v in flags.cpu())
         self.stop_agreed = self.stop_agreed or stop > 0
         if bad == 0:

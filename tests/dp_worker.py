@@ -85,6 +85,34 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
+class CountBarriers(L.Callback):
+    """Counts the ``torch.distributed.barrier`` calls inside each training batch (from its start hook to the end of
+    every callback's end hook: this callback runs last), and writes the counts per batch to ``path``."""
+
+    def __init__(self, path):
+        self.path, self.counts, self._inside = path, [], False
+        self._barrier = torch.distributed.barrier
+
+        def counting(*args, **kwargs):
+            if self._inside:
+                self.counts[-1] += 1
+            return self._barrier(*args, **kwargs)
+
+        torch.distributed.barrier = counting
+
+    def on_train_batch_start(self, *args):
+        self.counts.append(0)
+        self._inside = True
+
+    def on_train_batch_end(self, *args):
+        self._inside = False
+
+    def teardown(self, *args, **kwargs):
+        torch.distributed.barrier = self._barrier
+        with open(self.path, "w") as f:
+            json.dump(self.counts, f)
+
+
 def gathered_params(model, stage):
     params = list(model.parameters())
     if stage == 3:
@@ -104,6 +132,9 @@ def run_case(case, out_dir, devices):
                                            log_second_accountant=case.get("log_second_accountant", False))]
     if case.get("stop_at"):
         callbacks.append(StopAt(case["stop_at"]))
+    if case.get("count_barriers"):
+        rank = int(os.environ.get("RANK", "0"))
+        callbacks.append(CountBarriers(os.path.join(out_dir, f"{case['name']}.barriers{rank}.json")))
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],

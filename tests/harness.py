@@ -51,6 +51,9 @@ def run_cases(cases, out_dir, world_size, timeout=600, nodes=1, launcher="env", 
         res = torch.load(out_dir / f"{case['name']}.pt", weights_only=False)
         res["seen"] = [json.loads((out_dir / f"{case['name']}.seen{r}.json").read_text()) for r in range(world_size)]
         res["final_rank"] = [torch.load(out_dir / f"{case['name']}.final{r}.pt") for r in range(world_size)]
+        if case.get("count_barriers"):
+            res["barriers"] = [json.loads((out_dir / f"{case['name']}.barriers{r}.json").read_text())
+                               for r in range(world_size)]
         results[case["name"]] = res
     return results
 

@@ -44,6 +44,8 @@ def _cases(world_size):
     cases.append(dict(BASE, name="i2_epochs_s2_a2", stage=2, accumulate=2, steps=4, max_epochs=2,
                       limit_train_batches=4))
     cases.append(dict(BASE, name="i2_conv_al_s1", model="conv", stage=1, clipping="all-layer"))
+    # the per-step sums of the DP pieces are one all-reduce each, with no barrier (a second round trip) before
+    cases.append(dict(BASE, name="i2_barriers_s2_a2", stage=2, accumulate=2, count_barriers=True))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
     cases.append(dict(BASE, name="i2_vit_lw_s3_a2", model="vit", stage=3, accumulate=2))
     cases.append(dict(BASE, name="i2_vit_al_s2", model="vit", stage=2, clipping="all-layer"))
@@ -102,6 +104,15 @@ def test_i2_clipping_matches_torch_func_oracle(runs):
             assert math.isfinite(res["train_loss_epoch"])
         checked += 1
     assert checked >= 5
+
+
+def test_the_dp_pieces_add_no_barrier_to_a_training_batch(runs):
+    # the finite-loss check of every micro-batch and the accountant's statistics of every step are one all-reduce
+    # each; Lightning's ``strategy.reduce`` would put a barrier before each (two more round trips per step)
+    for ws, case, res in _by_prefix(runs, "i2_barriers"):
+        for rank, counts in enumerate(res["barriers"]):
+            assert len(counts) == case["steps"] * case["accumulate"], counts
+            assert counts == [0] * len(counts), f"rank {rank}: barriers per micro-batch {counts}"
 
 
 def test_i2_clipping_actually_bounds_the_update(runs):

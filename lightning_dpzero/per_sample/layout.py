@@ -34,6 +34,7 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
+from .._collectives import sum_over_ranks
 from .base import UnsupportedLayerError
 from .parameters import ParameterHook
 
@@ -323,8 +324,8 @@ def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any
     bad, pending = float(bool(failures)), float(b < 2)
     world = getattr(collectives, "world_size", 1) if collectives is not None else 1
     if world > 1:
-        flags = collectives.reduce(torch.tensor([bad, pending], dtype=torch.float32,
-                                                device=_reduce_device(engine)), reduce_op="sum")
+        flags = sum_over_ranks(collectives, torch.tensor([bad, pending], dtype=torch.float32,
+                                                          device=_reduce_device(engine)))
         bad_all, pending = float(flags[0]), float(flags[1])
     else:
         bad_all = bad
