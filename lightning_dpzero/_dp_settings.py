@@ -9,6 +9,7 @@ from torch import nn
 
 from . import _refusals
 from ._options import LossReduction, check_option
+from ._reduction import output_hook_managers, output_hooks_suspended
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_clipping_groups
@@ -19,10 +20,11 @@ class DPSettings:
     attributes, σ, C and the random streams in ``self.mechanism``. ``ValueError`` names a bad setting."""
 
     def init_dp_settings(self, *, noise_multiplier: Optional[float], max_grad_norm: float, clipping: str,
-                         clipping_fn: str, gamma: float, clipping_groups, group_max_grad_norms,
+                         clipping_fn: str, gamma: float, clipping_mode: str, clipping_groups, group_max_grad_norms,
                          poisson_sampling: bool, secure_mode: bool, seed: Optional[int], loss_reduction: str,
                          layout_check: bool, max_micro_batch_size: Optional[int] = None) -> None:
-        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
+        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma, clipping_mode)
+        self.clipping_mode = clipping_mode
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
         self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
                                      poisson_sampling=poisson_sampling, max_micro_batch_size=max_micro_batch_size)
@@ -37,10 +39,36 @@ class DPSettings:
         hand it to the mechanism, and keep the layers its rules clip whole from ZeRO-3's partitioning."""
         self.per_sample = PerSampleEngine(module, self.mechanism.max_grad_norm, self.clipping, self.clipping_fn,
                                           self.gamma, self.loss_reduction, groups=groups,
-                                          group_max_grad_norms=self.group_max_grad_norms).attach()
+                                          group_max_grad_norms=self.group_max_grad_norms,
+                                          clipping_mode=self.clipping_mode).attach()
         self.mechanism.attach(self.per_sample, self)
         if zero_stage == 3 and self.per_sample.zero3_leaf_types:
             from deepspeed.utils import set_z3_leaf_modules
 
             set_z3_leaf_modules(module, self.per_sample.zero3_leaf_types)
         return self.per_sample
+
+    def prepare_clipping_mode(self, deepspeed_engine) -> None:
+        """Before the first update, with two-pass clipping: refuse DeepSpeed's fp16 (the norms pass runs without
+        its loss scale, so fp16 output gradients could underflow and understate the per-example norms that bound
+        each example's contribution), and keep the hooks DeepSpeed's forward puts on its outputs, which
+        :meth:`norms_pass` suspends."""
+        self._output_hooks: list = []
+        if self.per_sample is None or not self.per_sample.two_pass:
+            return
+        if deepspeed_engine.fp16_enabled():
+            raise ValueError("clipping_mode='two-pass' does not support fp16 (precision='16-mixed'): its norms pass "
+                             "runs without DeepSpeed's loss scale. Use precision='bf16-mixed' or '32-true', or "
+                             "clipping_mode='book-keeping'.")
+
+        def keep(module, args, outputs) -> None:
+            self._output_hooks = output_hook_managers(outputs)
+
+        deepspeed_engine.register_forward_hook(keep)
+
+    def norms_pass(self, loss) -> None:
+        """Two-pass clipping's first backward pass on ``loss`` (a no-op otherwise), unseen by DeepSpeed, whose own
+        backward of ``loss`` follows (``PerSampleEngine.norms_pass``)."""
+        if self.per_sample.two_pass:
+            with output_hooks_suspended(self._output_hooks):
+                self.per_sample.norms_pass(loss)

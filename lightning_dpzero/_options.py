@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 
 Clipping = Literal["layer-wise", "all-layer", "group-wise"]
 ClippingFn = Literal["abadi", "automatic"]
+ClippingMode = Literal["book-keeping", "two-pass"]
 LossReduction = Literal["mean", "sum"]
 Accountant = Literal["pld", "rdp"]
 OnBudgetExhausted = Literal["stop", "raise"]

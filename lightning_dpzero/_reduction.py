@@ -11,12 +11,17 @@ documents that blocks must not span a window, so every stage uses the buffer bel
 either. Hence, with ``accumulate_grad_batches = K > 1``: the K - 1 micro-batches before the boundary hold their
 clipped sums in the engine's local fp32 buffer (their backward hands DeepSpeed zeros, reduced as any accumulation
 step's), and the boundary micro-batch's backward runs inside the block and writes its sums with the held ones.
+
+With two-pass clipping nothing is deferred: the first backward pass (norms only) runs with DeepSpeed's output hooks
+suspended (:func:`output_hooks_suspended`), and DeepSpeed's own backward returns the clipped sums through autograd.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 
 @contextlib.contextmanager
@@ -36,3 +41,38 @@ def deferred_writes_reduced(per_sample, deepspeed_engine, zero_stage: int, accum
     with deepspeed_engine.coalesce_grad_reduction():
         yield
         per_sample.window.flush()  # whatever the backward did not write (e.g. a group of sites that never ran)
+
+
+def output_hook_managers(outputs: Any) -> list:
+    """The backward-hook managers DeepSpeed's forward attached to its outputs (``outputs``: a tensor, or a
+    tuple, list or dict of them; each manager is kept on the first tensor it hooked)."""
+    found: list = []
+    stack = [outputs]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.extend(m for m in getattr(item, "_backward_hook_managers", ()) if m not in found)
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
+
+
+@contextlib.contextmanager
+def output_hooks_suspended(managers: list) -> Iterator[None]:
+    """DeepSpeed's hooks on its forward's outputs removed for the block, then put back: they start its backward
+    (the ZeRO optimizer's prologue once per forward, the 1/gradient_accumulation_steps on the output gradients,
+    and for a plain ``tensor.backward()`` the reduction at its end), which the first pass of two-pass clipping
+    must not start, as DeepSpeed's own backward follows it (docs/design.md, *Two-pass clipping*)."""
+    removed = []
+    for manager in managers:
+        for handle in manager.hook_handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                removed.append((hooks, handle.id, hooks.pop(handle.id)))
+    try:
+        yield
+    finally:
+        for hooks, key, fn in removed:
+            hooks[key] = fn

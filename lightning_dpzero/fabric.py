@@ -32,7 +32,7 @@ from ._fabric_loop import FabricSteps, announce_draws
 from ._launch import FabricDeepSpeedLaunchMixin
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
-from ._options import Accountant, Clipping, ClippingFn, LossReduction, check_option
+from ._options import Accountant, Clipping, ClippingFn, ClippingMode, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
 from .per_sample.layout import reindex_batch
@@ -48,7 +48,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     Each ``optimizer.step()`` releases ``(Σ_i clip(g_i) + N(0, σ²C²I)) / B_exp`` over one Poisson-sampled batch
     (``B_exp = q·N``, docs/design.md, *The mechanism*). Takes every argument of Fabric's ``DeepSpeedStrategy``,
     the DP settings of :class:`~lightning_dpzero.DPDeepSpeedStrategy` (``noise_multiplier``, ``max_grad_norm``,
-    ``clipping``, ``clipping_fn``, ``gamma``, ``clipping_groups`` as name patterns, ``group_max_grad_norms``,
+    ``clipping``, ``clipping_fn``, ``gamma``, ``clipping_mode``, ``clipping_groups`` as name patterns, ``group_max_grad_norms``,
     ``poisson_sampling``, ``secure_mode``, ``seed``, ``loss_reduction``, ``layout_check``,
     ``max_micro_batch_size``) and, as Fabric has no
     Trainer or accountant callback:
@@ -87,13 +87,15 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                  loss_reduction: LossReduction = "mean", layout_check: bool = True,
                  max_micro_batch_size: Optional[int] = None,
                  target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
-                 max_steps: Optional[int] = None, max_epochs: Optional[int] = None, **kwargs: Any) -> None:
+                 max_steps: Optional[int] = None, max_epochs: Optional[int] = None,
+                 clipping_mode: ClippingMode = "book-keeping", **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         if isinstance(clipping_groups, str):
             raise ValueError("clipping_groups='param_groups' is for the Trainer strategy; with Fabric give lists of "
                              "parameter-name patterns, e.g. [['encoder.*'], ['head.*']].")
         self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
-                              clipping_fn=clipping_fn, gamma=gamma, clipping_groups=clipping_groups,
+                              clipping_fn=clipping_fn, gamma=gamma, clipping_mode=clipping_mode,
+                              clipping_groups=clipping_groups,
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
                               layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
@@ -183,6 +185,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                 "forward and backward. Remove gradient_accumulation_steps (and train_batch_size) from the config "
                 "and raise the DataLoader's batch_size, or use the Trainer's DPDeepSpeedStrategy with "
                 "Trainer(accumulate_grad_batches=...).")
+        self.prepare_clipping_mode(engine)
         self.mechanism.install_noise(_refusals.base_optimizer(engine), replicated=self.zero_stage == 0)
         engine.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         return engine, optimizers, scheduler
@@ -241,6 +244,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         engine = self._deepspeed_engine
         loss = self.mechanism.micro_batch_loss(tensor, self.steps.batch_size, step=self.ledger.steps + 1)
         loss = self.mechanism.probe_loss(loss, 1, engine.gradient_accumulation_steps())
+        self.norms_pass(loss)  # two-pass clipping only: the norms (DeepSpeed's backward clips)
         with deferred_writes_reduced(self.per_sample, engine, self.zero_stage, 1):  # no accumulation on Fabric
             return super().backward(loss, module, *args, **kwargs)
 

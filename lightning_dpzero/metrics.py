@@ -195,6 +195,8 @@ def dp_hyperparameters(trainer) -> dict[str, Any]:
     }
     if strategy.clipping == "automatic" or strategy.clipping_fn == "automatic":
         out["gamma"] = strategy.gamma
+    if strategy.clipping != "layer-wise":
+        out["clipping_mode"] = strategy.clipping_mode
     if strategy.clipping == "group-wise":
         out["clipping_groups"] = str(strategy.clipping_groups)
         out["group_max_grad_norms"] = strategy.group_max_grad_norms

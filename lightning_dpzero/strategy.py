@@ -27,7 +27,7 @@ from typing_extensions import override
 from . import _known_warnings, _lightning_loop as _loop, _refusals
 from ._dp_settings import DPSettings
 from ._launch import DeepSpeedLaunchMixin
-from ._options import Clipping, ClippingFn, LossReduction
+from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
 from ._strategy_names import register_names
 from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
@@ -65,6 +65,11 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         group_max_grad_norms: per-group thresholds C_k; default C/√K (so that √(Σ C_k²) = C); a
             √(Σ C_k²) above C is refused (the noise is calibrated to C).
         clipping_fn: ``"abadi"``: min(1, C/‖g‖), or ``"automatic"`` (Bu et al.): C/(‖g‖ + γ).
+        clipping_mode: for all-layer and group-wise clipping: ``"book-keeping"`` (default; one backward pass,
+            which keeps every layer's input and output gradient until its last layer has run) or ``"two-pass"``
+            (a first backward pass takes the per-example norms, DeepSpeed's backward then forms the clipped
+            gradients: the peak memory of non-private training, for the time of one more backward pass of the
+            layers' input gradients; not with fp16). Layer-wise clipping refuses ``"two-pass"``.
         gamma: γ of ``"automatic"`` clipping (default 0.01).
         poisson_sampling: Poisson-sample logical batches (default). ``False``: shuffled fixed-size batches,
             accounted as if Poisson with q = B·W·K/N (a common approximation; the ledger records it).
@@ -107,10 +112,12 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: LossReduction = "mean", layout_check: bool = True,
-                 max_micro_batch_size: Optional[int] = None, **kwargs: Any) -> None:
+                 max_micro_batch_size: Optional[int] = None, clipping_mode: ClippingMode = "book-keeping",
+                 **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
-                              clipping_fn=clipping_fn, gamma=gamma, clipping_groups=clipping_groups,
+                              clipping_fn=clipping_fn, gamma=gamma, clipping_mode=clipping_mode,
+                              clipping_groups=clipping_groups,
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
                               layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
@@ -151,6 +158,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if fitting:
             if self.clipping_groups == "param_groups":
                 self.per_sample.set_groups(self._user_param_groups, self.group_max_grad_norms)
+            self.prepare_clipping_mode(self.deepspeed_engine)
             self.mechanism.install_noise(_refusals.base_optimizer(self.deepspeed_engine),
                                          replicated=self.zero_stage == 0)
 
@@ -206,6 +214,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         k = self.lightning_module.trainer.accumulate_grad_batches
         closure_loss = self.mechanism.probe_loss(closure_loss, k, self.deepspeed_engine.gradient_accumulation_steps())
+        self.norms_pass(closure_loss)  # two-pass clipping only: the norms (DeepSpeed's backward clips)
         with deferred_writes_reduced(self.per_sample, self.deepspeed_engine, self.zero_stage, k):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

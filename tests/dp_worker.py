@@ -138,7 +138,7 @@ def run_case(case, out_dir, devices):
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
-        clipping_groups=case.get("clipping_groups"),
+        clipping_groups=case.get("clipping_groups"), clipping_mode=case.get("clipping_mode", "book-keeping"),
         seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False),
         max_micro_batch_size=case.get("max_micro_batch_size"))
     trainer = L.Trainer(

@@ -56,7 +56,8 @@ def run_case(case, out_dir, devices):
     strategy = DPFabricStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
-        clipping_groups=case.get("clipping_groups"), seed=case.get("seed", 1234),
+        clipping_groups=case.get("clipping_groups"), clipping_mode=case.get("clipping_mode", "book-keeping"),
+        seed=case.get("seed", 1234),
         secure_mode=case.get("secure_mode", False), target_epsilon=case.get("target_epsilon"),
         max_steps=case["steps"])
     fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=case.get("precision", "32-true"))

@@ -80,6 +80,18 @@ def layer_groups(names, merge=None):
     return list(by.values())
 
 
+def clipping_mode(clip) -> str:
+    """The engine's ``clipping_mode`` for an oracle case ``clip``: its ``"mode"`` (two-pass or book-keeping) where
+    a group spans layers, book-keeping for layer-wise (which refuses two-pass)."""
+    return clip.get("mode", "book-keeping") if clip["clipping"] != "layer-wise" else "book-keeping"
+
+
+def backward(engine, loss) -> None:
+    """``loss.backward()`` through ``engine``: with two-pass clipping, the engine's norms pass first."""
+    engine.norms_pass(loss)
+    loss.backward()
+
+
 def check_engine_against_loop(model, loss_of, B, clip, context=None, alone=True, seed=None):
     """The engine's Σ_i clip(g_i) for the mean of ``loss_of(model, all examples)`` against
     :func:`loop_per_example_grads` (float64 with ``alone``, else the model's dtype with the batch forward),
@@ -98,13 +110,13 @@ def check_engine_against_loop(model, loss_of, B, clip, context=None, alone=True,
                       clip["clipping_fn"], groups=groups)
     model.zero_grad(set_to_none=True)
     engine = PerSampleEngine(model, max_grad_norm=clip["C"], clipping=clip["clipping"],
-                             clipping_fn=clip["clipping_fn"]).attach()
+                             clipping_fn=clip["clipping_fn"], clipping_mode=clipping_mode(clip)).attach()
     try:
         if seed is not None:
             torch.manual_seed(seed)
         with context or contextlib.nullcontext(), engine.micro_batch(batch_size=B):
             losses = loss_of(model, list(range(B)), torch.float32)
-            torch.nan_to_num(losses.mean()).backward()  # B = 0: the mean over no examples is NaN
+            backward(engine, torch.nan_to_num(losses.mean()))  # B = 0: the mean over no examples is NaN
     finally:
         engine.detach()
     tol = 1e-4 * (1.0 + max((float(r.abs().max()) for r in ref.values() if r.numel()), default=0.0))

@@ -26,6 +26,8 @@ def _cases(world_size, save_dir):
         cases.append(dict(BASE, name=f"i2_al_s{stage}", stage=stage, clipping="all-layer"))
     cases.append(dict(BASE, name="i2_empty_s2", stage=2, batch_size=1, steps=4))
     cases.append(dict(BASE, name="i2_auto_s3", stage=3, clipping="all-layer", clipping_fn="automatic", C=0.1))
+    for stage in (0, 3):  # two-pass clipping: the norms pass, then DeepSpeed's backward through Fabric
+        cases.append(dict(BASE, name=f"i2_2pass_s{stage}", stage=stage, clipping="all-layer", clipping_mode="two-pass"))
     for stage in (0, 3):
         cases.append(dict(BASE, name=f"i3_s{stage}", model="wide", stage=stage, sigma=1.5, C=2.0, lr=1.0, steps=1,
                           zero_loss=True, n=256))

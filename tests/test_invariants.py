@@ -44,6 +44,15 @@ def _cases(world_size):
     cases.append(dict(BASE, name="i2_epochs_s2_a2", stage=2, accumulate=2, steps=4, max_epochs=2,
                       limit_train_batches=4))
     cases.append(dict(BASE, name="i2_conv_al_s1", model="conv", stage=1, clipping="all-layer"))
+    # two-pass clipping (the norms from a first backward, DeepSpeed's backward forms the clipped sums): every stage,
+    # with accumulation, group-wise across layers, a ViT's raw parameters, bf16 (below)
+    for stage, acc in ((0, 2), (1, 1), (2, 2), (3, 2)):
+        cases.append(dict(BASE, name=f"i2_2pass_s{stage}_a{acc}", stage=stage, accumulate=acc, clipping="all-layer",
+                          clipping_mode="two-pass"))
+    cases.append(dict(BASE, name="i2_2pass_gw_s3", stage=3, clipping="group-wise", clipping_mode="two-pass",
+                      clipping_groups=[["net.emb.*", "net.ln.*"], ["net.lin.*", "net.head.*"]]))
+    cases.append(dict(BASE, name="i2_2pass_vit_s3", model="vit", stage=3, clipping="all-layer",
+                      clipping_mode="two-pass"))
     # the per-step sums of the DP pieces are one all-reduce each, with no barrier (a second round trip) before
     cases.append(dict(BASE, name="i2_barriers_s2_a2", stage=2, accumulate=2, count_barriers=True))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
@@ -63,6 +72,8 @@ def _cases(world_size):
     for stage, clipping in ((2, "layer-wise"), (3, "all-layer")):
         cases.append(dict(BASE, name=f"bf16_{clipping}_s{stage}", stage=stage, clipping=clipping,
                           precision="bf16-mixed", C=0.1))
+    cases.append(dict(BASE, name="bf16_2pass_s2", stage=2, clipping="all-layer", clipping_mode="two-pass",
+                      precision="bf16-mixed", C=0.1))
     if world_size == 1:
         cases = [c for c in cases if c["name"].endswith("a2") or c["name"].startswith(("i3", "i2_al_s0", "i1_s3"))]
     return cases

@@ -25,7 +25,7 @@ from lightning_dpzero.per_sample import paths as paths_mod
 from lightning_dpzero.per_sample import registry
 from lightning_dpzero.per_sample.base import Site
 from dispatch import AtenOps
-from oracle import clipped_sum, per_example_grads
+from oracle import backward, clipped_sum, clipping_mode, per_example_grads
 
 # LAYER_EXAMPLES=500 for a deeper run; the default keeps the file well under a minute on 2 cores
 EXAMPLES = int(os.environ.get("LAYER_EXAMPLES", "30"))
@@ -44,6 +44,8 @@ def loss_fn(out, y):
 clip_st = st.fixed_dictionaries({
     "clipping": st.sampled_from(["layer-wise", "all-layer"]),
     "clipping_fn": st.sampled_from(["abadi", "automatic"]),
+    # all-layer's clipping_mode (layer-wise keeps nothing across layers: always one pass)
+    "mode": st.sampled_from(["book-keeping", "two-pass"]),
     "C": st.sampled_from([0.01, 1.0, 1e4]),
     # which path the Linear-like rules take (None: their own cost-model choice); "reuse" applies where the
     # site completes its group (layer-wise), elsewhere the rule falls back to its own ghost/instantiate choice
@@ -88,13 +90,13 @@ def check_oracle(model, x, clip, merge=None, engines=None):
         ref = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     engine = PerSampleEngine(model, max_grad_norm=clip["C"], clipping=clip["clipping"],
-                             clipping_fn=clip["clipping_fn"]).attach()
+                             clipping_fn=clip["clipping_fn"], clipping_mode=clipping_mode(clip)).attach()
     hooks = [(h.name, type(h.rule).__name__) for h in engine.hooks]
     if engines is not None:
         engines.append(engine)
     try:
         with force_path(clip["path"]), engine.micro_batch(batch_size=B):
-            torch.nan_to_num(loss_fn(model(x), y)).backward()  # B = 0: the mean over no examples is NaN
+            backward(engine, torch.nan_to_num(loss_fn(model(x), y)))  # B = 0: the mean over no examples is NaN
     finally:
         engine.detach()
     # float32 against float64: rounding is relative to the largest gradient entries (a gradient that is zero

@@ -155,6 +155,7 @@ def test_dp_hyperparameters_reads_the_plan():
     assert hp["noise_multiplier"] == 1.1 and hp["sample_rate"] == 0.064 and hp["max_grad_norm"] == 0.5
     assert hp["delta"] == 1e-5 and hp["target_epsilon"] == 8.0 and hp["dataset_size"] == 1000
     assert hp["clipping"] == "all-layer" and hp["clipping_fn"] == "automatic" and hp["gamma"] == 0.01
+    assert hp["clipping_mode"] == "book-keeping"
     assert hp["zero_stage"] == 3 and hp["sampler"] == "poisson" and hp["planned_steps"] == 300
     assert hp["world_size"] == 2 and hp["accountant"] == "pld"
     with pytest.raises(TypeError):

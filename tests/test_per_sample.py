@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
-from oracle import clipped_sum, per_example_grads
+from oracle import backward, clipped_sum, per_example_grads
 
 
 class TokenModel(nn.Module):
@@ -40,18 +40,22 @@ def _data(kind, B, gen):
     return ConvModel(), torch.randn(B, 1, 8, 8, generator=gen), torch.randint(0, 3, (B,), generator=gen)
 
 
+CLIPPINGS = [("layer-wise", "book-keeping"), ("all-layer", "book-keeping"), ("all-layer", "two-pass")]
+
+
 @pytest.mark.parametrize("kind", ["token", "conv"])
-@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("clipping,mode", CLIPPINGS)
 @pytest.mark.parametrize("clipping_fn", ["abadi", "automatic"])
-def test_engine_matches_torch_func_oracle(kind, clipping, clipping_fn):
+def test_engine_matches_torch_func_oracle(kind, clipping, mode, clipping_fn):
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model, x, y = _data(kind, 7, gen)
     C = 0.05  # small enough that most examples are clipped
     ref = clipped_sum(model, per_example_grads(model, nn.functional.cross_entropy, x, y), C, clipping, clipping_fn)
-    engine = PerSampleEngine(model, max_grad_norm=C, clipping=clipping, clipping_fn=clipping_fn).attach()
+    engine = PerSampleEngine(model, max_grad_norm=C, clipping=clipping, clipping_fn=clipping_fn,
+                             clipping_mode=mode).attach()
     with engine.micro_batch(batch_size=7):
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward(engine, nn.functional.cross_entropy(model(x), y))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
     assert engine.stats["examples"] == 7 and engine.stats["clipped"] > 0
@@ -101,25 +105,28 @@ class TiedNet(nn.Module):
         return self.head(h).mean(1)
 
 
-@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("clipping,mode", CLIPPINGS)
 @pytest.mark.parametrize("clipping_fn", ["abadi", "automatic"])
-def test_tied_and_reused_parameters_match_the_oracle(clipping, clipping_fn):
+def test_tied_and_reused_parameters_match_the_oracle(clipping, mode, clipping_fn):
     torch.manual_seed(3)
     model = TiedNet()
     x, y = torch.randint(0, 9, (5, 4)), torch.randint(0, 9, (5,))
     grads = per_example_grads(model, nn.functional.cross_entropy, x, y)  # tied: one entry, summed by autograd
     groups = None if clipping == "all-layer" else [["emb.weight"], ["mix.weight", "mix.bias"], ["ln.weight", "ln.bias"]]
     ref = clipped_sum(model, grads, 0.05, clipping, clipping_fn, groups=groups)
-    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping=clipping, clipping_fn=clipping_fn).attach()
-    assert engine.needs_deferred_writes == (clipping == "all-layer")
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping=clipping, clipping_fn=clipping_fn,
+                             clipping_mode=mode).attach()
+    assert engine.needs_deferred_writes == (clipping == "all-layer" and mode == "book-keeping")
+    assert engine.two_pass == (mode == "two-pass")
     with engine.micro_batch(batch_size=5):
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward(engine, nn.functional.cross_entropy(model(x), y))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("spec", ["patterns", "params"])
-def test_group_wise_matches_the_oracle(spec):
+@pytest.mark.parametrize("mode", ["book-keeping", "two-pass"])
+def test_group_wise_matches_the_oracle(spec, mode):
     torch.manual_seed(4)
     model = TokenModel()
     x, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
@@ -128,10 +135,11 @@ def test_group_wise_matches_the_oracle(spec):
         [model.emb.weight, model.lin.weight, model.lin.bias], [model.ln.weight, model.ln.bias, *model.head.parameters()]]
     ref_groups = [["emb.weight", "lin.weight", "lin.bias"], ["ln.weight", "ln.bias", "head.weight", "head.bias"]]
     ref = clipped_sum(model, per_example_grads(model, nn.functional.cross_entropy, x, y), 0.05, groups=ref_groups)
-    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping="group-wise", groups=groups).attach()
-    assert engine.needs_deferred_writes
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping="group-wise", groups=groups,
+                             clipping_mode=mode).attach()
+    assert engine.needs_deferred_writes == (mode == "book-keeping")
     with engine.micro_batch(batch_size=6):
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward(engine, nn.functional.cross_entropy(model(x), y))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
 
@@ -260,3 +268,58 @@ def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch):
     assert sorted(written) == sorted(id(model[k].bias) for k in (0, 2, 4))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_two_pass_all_layer_keeps_the_peak_memory_of_non_private_training():
+    # book-keeping keeps every layer's input and output gradient until the last layer's backward; two-pass keeps
+    # nothing, so its step peaks where plain training's does (plus its first pass's transients)
+    from memory import peak_cpu_bytes
+
+    def deep():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())], nn.Linear(128, 4))
+
+    x, y = torch.randn(16, 32, 128), torch.randn(16, 32, 4)
+
+    def peak(mode):
+        model = deep()
+        engine = None if mode is None else PerSampleEngine(model, 0.1, "all-layer", clipping_mode=mode).attach()
+
+        def step():
+            if engine is None:
+                return ((model(x) - y) ** 2).mean().backward()
+            with engine.micro_batch(batch_size=16):
+                backward(engine, ((model(x) - y) ** 2).mean())
+
+        step()  # p.grad exists from here on in every case
+        return peak_cpu_bytes(step)
+
+    plain, book_keeping, two_pass = peak(None), peak("book-keeping"), peak("two-pass")
+    assert book_keeping > 1.5 * plain  # what two-pass is for
+    assert two_pass < 1.15 * plain, (plain, book_keeping, two_pass)
+
+
+def test_two_pass_with_activation_checkpointing_matches_the_oracle():
+    # non-reentrant checkpointing recomputes the block in each of the two backward passes
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=False)
+            return self.head(h).mean(1)
+
+    from oracle import per_example_grads_loop  # torch.func does not run through checkpointing's hooks
+
+    torch.manual_seed(0)
+    model, x, y = Checkpointed(), torch.randn(5, 4, 8), torch.randint(0, 3, (5,))
+    ref = clipped_sum(model, per_example_grads_loop(model, nn.functional.cross_entropy, x, y), 0.05, "all-layer")
+    engine = PerSampleEngine(model, 0.05, "all-layer", clipping_mode="two-pass").attach()
+    with engine.micro_batch(batch_size=5):
+        backward(engine, nn.functional.cross_entropy(model(x), y))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert engine.stats["clipped"] == 5

@@ -110,10 +110,25 @@ def test_target_epsilon_calibrates_sigma_and_logs():
     (dict(clipping="flat"), "clipping"),
     (dict(clipping_fn="clamp"), "clipping_fn"),
     (dict(noise_multiplier=1.0, max_grad_norm=math.inf), "infinite noise"),
+    (dict(clipping="all-layer", clipping_mode="ghost"), r"clipping_mode='ghost'.*'book-keeping', 'two-pass'"),
+    (dict(clipping_mode="two-pass"), r"two-pass.*all-layer.*group-wise.*Leave clipping_mode at 'book-keeping'"),
 ])
 def test_bad_strategy_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DPDeepSpeedStrategy(stage=2, **kwargs)
+
+
+def test_two_pass_clipping_refuses_fp16_before_the_first_update():
+    # DeepSpeed's CPU accelerator refuses fp16, so its engine is a stand-in here: the check runs in setup, after
+    # DeepSpeed's initialisation and before the first forward
+    class FP16Engine:
+        def fp16_enabled(self):
+            return True
+
+    strategy = DPDeepSpeedStrategy(stage=2, clipping="all-layer", clipping_mode="two-pass")
+    strategy.attach_engine(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), None, 2)
+    with pytest.raises(ValueError, match=r"two-pass.*fp16.*bf16-mixed.*book-keeping"):
+        strategy.prepare_clipping_mode(FP16Engine())
 
 
 def test_registered_names():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
 from lightning_dpzero.per_sample import registry
-from oracle import clipped_sum, per_example_grads_loop
+from oracle import backward, clipped_sum, per_example_grads_loop
 
 pytest.importorskip("transformers")
 import zoo  # noqa: E402
@@ -30,15 +30,15 @@ def _loss(model, x, y):
     return lambda index: F.cross_entropy(model(x if index is None else x[index]), y if index is None else y[index])
 
 
-def _engine_vs_oracle(model, x, y, clipping, C=C):
+def _engine_vs_oracle(model, x, y, clipping, C=C, mode="book-keeping"):
     """The layout check passes, then the engine's clipped sum equals the float64 per-example loop's (≤ 1e-5)."""
     ref = clipped_sum(model, per_example_grads_loop(model, F.cross_entropy, x, y), C, clipping)
     model.zero_grad(set_to_none=True)
-    engine = PerSampleEngine(model, max_grad_norm=C, clipping=clipping).attach()
+    engine = PerSampleEngine(model, max_grad_norm=C, clipping=clipping, clipping_mode=mode).attach()
     try:
         assert engine.check_layout(_loss(model, x, y), x.shape[0])
         with engine.micro_batch(batch_size=x.shape[0]):
-            F.cross_entropy(model(x), y).backward()
+            backward(engine, F.cross_entropy(model(x), y))
         rules = {type(h.rule).__name__ for h in engine.hooks}
     finally:
         engine.detach()
@@ -50,13 +50,14 @@ def _engine_vs_oracle(model, x, y, clipping, C=C):
     return rules
 
 
-@pytest.mark.parametrize("clipping", ["all-layer", "layer-wise"])
+@pytest.mark.parametrize("clipping,mode", [("all-layer", "book-keeping"), ("all-layer", "two-pass"),
+                                           ("layer-wise", "book-keeping")])
 @pytest.mark.parametrize("kind", FULL)
-def test_full_fine_tuning_matches_the_oracle(kind, clipping):
+def test_full_fine_tuning_matches_the_oracle(kind, clipping, mode):
     torch.manual_seed(0)
     model = zoo.build(kind).train()
     x, y = zoo.make_data(kind, B)
-    rules = _engine_vs_oracle(model, x, y, clipping)
+    rules = _engine_vs_oracle(model, x, y, clipping, mode=mode)
     if kind in ("llama", "qwen2", "mistral", "t5"):
         assert "HFRMSNormRule" in rules
 

@@ -15,13 +15,19 @@ from typing import Literal
 
 import torch
 
-from .._options import Clipping, ClippingFn, check_option
+from .._options import Clipping, ClippingFn, ClippingMode, check_option
 
 
-def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float) -> None:
+def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float,
+                      clipping_mode: str = "book-keeping") -> None:
     """Raise ``ValueError`` naming the bad setting and the allowed values."""
     check_option("clipping", clipping, Clipping)
     check_option("clipping_fn", clipping_fn, ClippingFn)
+    check_option("clipping_mode", clipping_mode, ClippingMode)
+    if clipping_mode == "two-pass" and clipping == "layer-wise":
+        raise ValueError("clipping_mode='two-pass' is for clipping='all-layer' or 'group-wise': layer-wise clipping "
+                         "forms each layer's clipped gradient in its own backward and keeps nothing for a second "
+                         "pass. Leave clipping_mode at 'book-keeping'.")
     if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm (C) must be > 0 (math.inf disables clipping), got {max_grad_norm!r}.")
     if not gamma > 0:
@@ -99,3 +105,36 @@ def match_groups(named, groups) -> list[list[torch.nn.Parameter]]:
     if empty:
         raise ValueError(f"clipping='group-wise': groups {empty} match no trainable parameter.")
     return members
+
+
+def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_grad_norm: float
+                ) -> tuple[list[list[torch.nn.Parameter]], list[float]]:
+    """The clipping groups and their thresholds C_k: all-layer one group of every trainable parameter (``named``:
+    (name, parameter) pairs), layer-wise one per attached layer (``hooks``; a tied parameter joins its first
+    layer), group-wise :func:`match_groups` of ``groups``. Thresholds are ``group_max_grad_norms`` (one positive
+    value per group, checked by :func:`validate_group_thresholds`) or C/sqrt(K) each.
+
+    Raises:
+        ValueError: thresholds of the wrong number or not positive, or above C together.
+    """
+    if clipping == "all-layer":
+        members = [[p for _, p in named]]
+    elif clipping == "layer-wise":
+        owner: dict[int, int] = {}
+        for k, h in enumerate(hooks):
+            for p in h.rule.params(h.module):
+                if p is not None and p.requires_grad:
+                    owner.setdefault(id(p), k)
+        by_hook: dict[int, list] = {}
+        for _, p in named:
+            by_hook.setdefault(owner[id(p)], []).append(p)
+        members = list(by_hook.values())
+    else:
+        members = match_groups(named, groups)
+    if group_max_grad_norms is None:
+        return members, [layer_thresholds(max_grad_norm, len(members))] * len(members)
+    if len(group_max_grad_norms) != len(members) or not all(c > 0 for c in group_max_grad_norms):
+        raise ValueError(f"group_max_grad_norms needs {len(members)} positive thresholds, one per group, "
+                         f"got {list(group_max_grad_norms)}.")
+    validate_group_thresholds(group_max_grad_norms, max_grad_norm)
+    return members, [float(c) for c in group_max_grad_norms]

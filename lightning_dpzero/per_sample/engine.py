@@ -36,11 +36,11 @@ from torch import nn
 
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
-from .clipping import (clip_coefficients, layer_thresholds, match_groups, validate_clipping,
-                       validate_group_thresholds)
+from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
 from .layout import batch_checked_input, run_layout_check
 from .maths import param_shape
+from .two_pass import clip_site, norms_pass
 from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
@@ -63,6 +63,12 @@ class PerSampleEngine:
             (``fnmatch``, e.g. ``"encoder.*"``) or of parameters; a parameter joins the first group that
             matches it. May also be given later with :meth:`set_groups`.
         group_max_grad_norms: thresholds C_k per group; default C/sqrt(K), so that sqrt(Σ C_k²) = C.
+        clipping_mode: how groups that span layers (all-layer, group-wise) are clipped: ``"book-keeping"``
+            (default; one backward pass, each layer's input and output gradient kept until the group's last
+            layer has run, Bu et al. 2023) or ``"two-pass"`` (the norms from a first backward pass, the clipped
+            gradients from a second, keeping nothing: the memory of non-private training, for the time of one
+            more backward pass of the input gradients; Li et al. 2021, ``two_pass.py``). Layer-wise clipping
+            keeps nothing in either mode and refuses ``"two-pass"``.
 
     Raises:
         UnsupportedLayerError: from :meth:`attach`, naming each trainable parameter no rule covers; during a
@@ -80,11 +86,14 @@ class PerSampleEngine:
     def __init__(self, module: nn.Module, max_grad_norm: float = 1.0, clipping: str = "layer-wise",
                  clipping_fn: str = "abadi", gamma: float = 0.01, loss_reduction: str = "mean",
                  groups: Optional[Sequence[GroupSpec]] = None,
-                 group_max_grad_norms: Optional[Sequence[float]] = None):
-        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma)
+                 group_max_grad_norms: Optional[Sequence[float]] = None, clipping_mode: str = "book-keeping"):
+        validate_clipping(clipping, clipping_fn, max_grad_norm, gamma, clipping_mode)
         check_option("loss_reduction", loss_reduction, LossReduction)
         self.module, self.max_grad_norm, self.clipping = module, float(max_grad_norm), clipping
         self.clipping_fn, self.gamma, self.loss_reduction = clipping_fn, gamma, loss_reduction
+        self.clipping_mode, self.two_pass = clipping_mode, False
+        self.phase: Optional[str] = None  # two-pass: "norms" during the first backward, "clip" until the second ends
+        self.pass_coefficients: dict[int, torch.Tensor] = {}  # two-pass: per group, the first pass's c_i
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
         self._layout = None  # the layout check's recorder while it runs (layout.py)
@@ -135,29 +144,8 @@ class PerSampleEngine:
     def set_groups(self, groups: Optional[Sequence[GroupSpec]] = None,
                    group_max_grad_norms: Optional[Sequence[float]] = None) -> None:
         """Form the clipping groups (see the class docstring); ``groups`` only for ``"group-wise"``."""
-        named = self._trainable_named()
-        if self.clipping == "all-layer":
-            members = [[p for _, p in named]]
-        elif self.clipping == "layer-wise":
-            owner: dict[int, int] = {}
-            for k, h in enumerate(self.hooks):
-                for p in h.rule.params(h.module):
-                    if p is not None and p.requires_grad:
-                        owner.setdefault(id(p), k)
-            by_hook: dict[int, list] = {}
-            for _, p in named:
-                by_hook.setdefault(owner[id(p)], []).append(p)
-            members = list(by_hook.values())
-        else:
-            members = match_groups(named, groups)
-        if group_max_grad_norms is not None:
-            if len(group_max_grad_norms) != len(members) or not all(c > 0 for c in group_max_grad_norms):
-                raise ValueError(f"group_max_grad_norms needs {len(members)} positive thresholds, one per group, "
-                                 f"got {list(group_max_grad_norms)}.")
-            validate_group_thresholds(group_max_grad_norms, self.max_grad_norm)
-            self.group_thresholds = [float(c) for c in group_max_grad_norms]
-        else:
-            self.group_thresholds = [layer_thresholds(self.max_grad_norm, len(members))] * len(members)
+        members, self.group_thresholds = form_groups(self.clipping, self.hooks, self._trainable_named(), groups,
+                                                     group_max_grad_norms, self.max_grad_norm)
         self.groups = members
         self.group_of = {id(p): k for k, grp in enumerate(members) for p in grp}
         for h in self.hooks:
@@ -165,8 +153,11 @@ class PerSampleEngine:
             h.groups = sorted({self.group_of[i] for i in h.param_ids if i is not None})
             # the groups this site holds every parameter of: it can return their clipped sums through autograd
             h.returnable = {k for k in h.groups if {id(p) for p in members[k]} <= set(h.param_ids)}
-        # A group is returned through autograd when every site touching it holds all of its parameters.
-        self.needs_deferred_writes = any(len(h.returnable) < len(h.groups) for h in self.hooks)
+        # A group is returned through autograd when every site touching it holds all of its parameters; in two
+        # passes every site returns its sums through autograd in the second.
+        spans = any(len(h.returnable) < len(h.groups) for h in self.hooks)
+        self.two_pass = spans and self.clipping_mode == "two-pass"
+        self.needs_deferred_writes = spans and not self.two_pass
 
     def detach(self) -> None:
         for h in self.hooks:
@@ -217,6 +208,13 @@ class PerSampleEngine:
     def new_forward(self) -> None:
         """Start of a micro-batch's forward: forget sites of an earlier forward that never ran backward."""
         self._reset_pass()
+        self.phase, self.pass_coefficients = None, {}
+
+    def norms_pass(self, loss: torch.Tensor) -> None:
+        """With ``clipping_mode="two-pass"``: the first backward pass on ``loss``, which fixes every group's
+        clipping coefficients; the caller's own backward of ``loss`` then forms the clipped gradients
+        (``two_pass.py``). A no-op otherwise."""
+        norms_pass(self, loss)
 
     def _reset_pass(self) -> None:
         self._sites_left: dict[int, int] = {}
@@ -289,6 +287,12 @@ class PerSampleEngine:
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         hook = site.hook
         scale = site.scale = self.grad_scale * (site.x.shape[0] if self.loss_reduction == "mean" else 1)
+        if self.phase == "clip":
+            grads = clip_site(self, site, params)
+            for i, gr in zip(hook.param_ids, grads):
+                if i is not None:
+                    self._add(self._emitted, i, gr)
+            return grads
         ids = hook.param_ids
         shared = [i is not None and self._param_sites.get(i, 0) > 1 for i in ids]
         plain = [i is not None and not s for i, s in zip(ids, shared)]
@@ -305,11 +309,16 @@ class PerSampleEngine:
         if site.path is not None:
             self._paths[hook.name] = site.path
         out: dict[int, torch.Tensor] = {}
+        norms_only = self.phase == "norms"
         for k in hook.groups:
-            self._records.setdefault(k, []).append(site)
+            kept = self._records.setdefault(k, [])
+            if not norms_only:  # the first of two passes keeps no site
+                kept.append(site)
             self._sites_left[k] -= 1
             if self._sites_left[k] == 0:
                 out.update(self._complete(k, hook))
+        if norms_only:
+            return [None] * len(params)
         grads = [out.get(i, torch.zeros_like(p)) if i is not None else None for i, p in zip(ids, params)]
         for i, gr in zip(ids, grads):
             if i is not None:
@@ -319,7 +328,7 @@ class PerSampleEngine:
     def _completes_at(self, hook: LayerHook) -> bool:
         """Every group of this site completes at it and is returned through autograd from it (layer-wise),
         so ``clipped_grads`` for this site runs right after ``norm_sq`` (see ``_complete``)."""
-        return all(self._sites_left.get(k) == 1 and self._returns(k, hook) for k in hook.groups)
+        return self.phase is None and all(self._sites_left.get(k) == 1 and self._returns(k, hook) for k in hook.groups)
 
     @staticmethod
     def _add(store: dict, key: int, value: torch.Tensor) -> None:
@@ -336,6 +345,9 @@ class PerSampleEngine:
         self._total_sq = norms.pow(2) if self._total_sq is None else self._total_sq + norms.pow(2)
         coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
         records = self._records.pop(k)
+        if self.phase == "norms":  # the second pass forms the sums (two_pass.py)
+            self.pass_coefficients[k] = coef
+            return {}
         if hook is not None and self._returns(k, hook):
             return self._clipped(ids, coef, records)
         self._deferred.append((ids, coef, records))
@@ -379,6 +391,8 @@ class PerSampleEngine:
             self._finalize()
 
     def _finalize(self) -> None:
+        if self.phase == "clip":  # the second of two passes has ended
+            self.phase, self.pass_coefficients = None, {}
         for k in list(self._records):  # a group some of whose sites never ran backward (unused output)
             self._complete(k, None)
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}

@@ -1,0 +1,63 @@
+"""Two-pass clipping of groups that span layers (all-layer, group-wise): the per-example norms from a first
+backward pass, the clipped gradients from a second (Li et al. 2021's ghost clipping; docs/design.md, *Two-pass
+clipping*).
+
+In one backward pass (``clipping_mode="book-keeping"``, Bu et al. 2023) a group that spans layers is complete
+only when its last layer has run its backward, so every site of the group keeps its input and output gradient
+until then, and the clipped sums ``Σ_i c_i g_i`` are formed at the end of the pass: the memory of one more set
+of the layers' activations at the end of the backward pass. ``clipping_mode="two-pass"`` keeps nothing:
+
+1. :func:`norms_pass`: a backward pass through ``torch.autograd.grad`` with the graph retained. Every site takes
+   its per-example squared norms (ghost or instantiated, as in one pass), keeps nothing, and returns no
+   parameter gradient, so nothing is accumulated into ``p.grad`` and DeepSpeed's reduce hooks do not fire.
+   Each group's coefficients ``c_i`` are fixed when its last site has run (or at the end of the pass).
+2. the caller's own backward (DeepSpeed's, unchanged): every site returns ``Σ_i c_i g_i`` of its parameters
+   at once, through autograd, with the first pass's coefficients (:func:`clip_site`). Nothing is deferred, so
+   ZeRO 1–3 reduce these gradients as any others.
+
+The cost is the first pass: the backward of every layer's input gradient a second time, and the norms.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def norms_pass(engine, loss: torch.Tensor) -> None:
+    """Pass 1 of two-pass clipping on ``loss`` (the micro-batch's loss as the caller will hand it to its own
+    backward, which is pass 2); a no-op unless ``engine.two_pass``. The graph is retained for pass 2.
+
+    Raises:
+        RuntimeError: from autograd, e.g. a graph already freed; the engine is then back to one pass.
+    """
+    if not engine.two_pass:
+        return
+    params = [p for group in engine.groups for p in group]
+    engine.phase = "norms"
+    try:
+        torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    except BaseException:
+        engine.phase = None
+        raise
+    engine.phase = "clip"
+
+
+def clip_site(engine, site, params) -> list[Optional[torch.Tensor]]:
+    """Pass 2 at one site: ``Σ_i c_i · g_i`` of each of its parameters with its group's coefficients from pass 1,
+    returned through autograd (zeros for a parameter whose rule gives none)."""
+    hook = site.hook
+    ids = hook.param_ids
+    grads: list[Optional[torch.Tensor]] = [None] * len(ids)
+    for k in hook.groups:
+        coef = engine.pass_coefficients.get(k)
+        if coef is None:
+            raise RuntimeError(f"Two-pass clipping: {type(hook.module).__name__} '{hook.name}' ran its backward in "
+                               "the second pass but not in the first, so its clipping coefficients are unknown.")
+        mask = [i is not None and engine.group_of[i] == k for i in ids]
+        for j, gr in enumerate(hook.rule.clipped_grads(site, coef * (site.scale * engine.emit_scale), mask)):
+            if mask[j]:
+                grads[j] = gr
+    return [None if i is None else (gr if gr is not None else torch.zeros_like(p))
+            for i, gr, p in zip(ids, grads, params)]
