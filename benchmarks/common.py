@@ -47,6 +47,11 @@ def profiler_peak_bytes(fn: Callable[[], object]) -> int:
 
     with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    return profiled_peak_bytes(prof)
+
+
+def profiled_peak_bytes(prof) -> int:
+    """:func:`profiler_peak_bytes` of a finished ``torch.profiler.profile(profile_memory=True)``."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     cur = peak = 0

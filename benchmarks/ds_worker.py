@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.common import CLIP, SIGMA, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.common import CLIP, SIGMA, peak_rss_bytes, profiled_peak_bytes, reset_peak_rss, rss_bytes
 from benchmarks.models import build_model, loss_fn, make_data
 
 
@@ -121,7 +121,7 @@ def make_trainer(cfg: dict, first: list, last: list):
     import lightning_dpzero  # noqa: F401  (registers the strategies)
     from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
 
-    total = cfg["warmup"] + cfg["steps"]
+    total = cfg["warmup"] + cfg["steps"] + cfg.get("extra_steps", 0)
     W, B, K = cfg["world"], cfg["batch"], cfg.get("accumulate", 1)
     kind = "gpt" if cfg["model"].startswith("gpt") else "cnn"
 
@@ -149,6 +149,7 @@ def make_trainer(cfg: dict, first: list, last: list):
         strategy = DPDeepSpeedStrategy(stage=cfg["stage"], noise_multiplier=SIGMA, max_grad_norm=CLIP,
                                        clipping=cfg["clipping"], clipping_fn=cfg["clipping_fn"],
                                        clipping_groups=cfg.get("clipping_groups"), poisson_sampling=False,
+                                       clipping_mode=cfg.get("clipping_mode", "book-keeping"),
                                        seed=1234, **cfg.get("strategy_kw", {}))
         callbacks.append(PrivacyAccountantCallback(delta=1e-5))
     strategy.config.update(cfg.get("ds_config", {}))  # e.g. zero_force_ds_cpu_optimizer for offload + Adam
@@ -193,6 +194,8 @@ def lightning_worker(cfg: dict) -> dict:
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx % K:
                 return  # inside an accumulation window: the step started at its first micro-batch
+            if trainer.global_step == total and memory is not None:  # the extra step after the timed ones
+                memory.start()
             if prof is not None and trainer.global_step == cfg["warmup"]:
                 prof.start()
             if prof is not None and trainer.global_step >= cfg["warmup"]:
@@ -207,7 +210,7 @@ def lightning_worker(cfg: dict) -> dict:
         accountant's ε update included)."""
 
         def __init__(self, start):
-            self.start, self.times, self.cpu, self.states = start, [], [], None
+            self.start, self.times, self.cpu, self.states, self.alloc_peak = start, [], [], None, None
 
         def on_before_optimizer_step(self, trainer, *a):
             if trainer.global_step == total - 1:  # after the last backward, before its update
@@ -215,6 +218,10 @@ def lightning_worker(cfg: dict) -> dict:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if (batch_idx + 1) % K:
+                return
+            if trainer.global_step > total:  # the memory-profiled step: not timed
+                memory.stop()
+                self.alloc_peak = profiled_peak_bytes(memory)
                 return
             if on_gpu:
                 torch.cuda.synchronize()
@@ -224,9 +231,16 @@ def lightning_worker(cfg: dict) -> dict:
                 self.start.rf.__exit__(None, None, None)
                 self.start.rf = None
 
+    # one more step after the timed ones, under the profiler's memory record (CPU, no --profile): the peak of
+    # the allocator's live bytes during a step, above those live when it starts (deterministic, unlike RSS)
+    memory = None
+    if not on_gpu and prof is None:
+        from torch.profiler import ProfilerActivity, profile
+
+        memory = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     start = StepStart(time.perf_counter())
     timer = StepTimer(start)
-    trainer, module = make_trainer(cfg, [start], [timer])
+    trainer, module = make_trainer(dict(cfg, extra_steps=int(memory is not None)), [start], [timer])
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     base = rss_bytes()
@@ -235,6 +249,8 @@ def lightning_worker(cfg: dict) -> dict:
     trainer.fit(module)
     out = {"rank": trainer.global_rank, "step_s": timer.times, "cpu_s": timer.cpu, "rss_base": base,
            "rss_peak": peak_rss_bytes(), "model_states": timer.states, **start.marks}
+    if timer.alloc_peak is not None:
+        out["alloc_peak"] = timer.alloc_peak
     if prof is not None:
         from benchmarks.profile_engine import summarize
 

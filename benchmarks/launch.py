@@ -134,6 +134,8 @@ def launch(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float
            "setup_s": max(r.get("setup_s", 0.0) for r in ranks)}
     if ranks[0].get("profile"):
         out["profile_rank0"] = ranks[0]["profile"]
+    if "alloc_peak" in ranks[0]:
+        out["alloc_step_peak_mb"] = [r["alloc_peak"] / 2**20 for r in ranks]
     if "cuda_peak" in ranks[0]:
         out["cuda_peak_mb"] = [r["cuda_peak"] / 2**20 for r in ranks]
     return out

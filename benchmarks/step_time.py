@@ -66,7 +66,8 @@ def model_kwargs(model: str, args) -> dict:
 
 #: the strategy settings of each DP method name (``nondp``: Lightning's own DeepSpeedStrategy)
 METHODS = {"nondp": {}, "layer": dict(clipping="layer-wise", clipping_fn="abadi"),
-           "all": dict(clipping="all-layer", clipping_fn="abadi")}
+           "all": dict(clipping="all-layer", clipping_fn="abadi"),
+           "all-2pass": dict(clipping="all-layer", clipping_fn="abadi", clipping_mode="two-pass")}
 
 
 def lightning_case(group: str, method: str, *, model: str, model_kw: dict, stage: int, world: int, batch: int,
@@ -120,6 +121,8 @@ def build_cases(args) -> list[dict]:
                 ds("gpt", s, "nondp")
                 ds("gpt", s, "layer", clipping="layer-wise", clipping_fn="abadi")
                 ds("gpt", s, "all", clipping="all-layer", clipping_fn="abadi")
+                if s in (2, 3):
+                    ds("gpt", s, "all-2pass", **METHODS["all-2pass"])
                 if s == args.detail_stage:
                     ds("gpt", s, "group", clipping="group-wise", clipping_fn="abadi",
                        clipping_groups=gpt_groups(args.layers))
@@ -132,6 +135,7 @@ def build_cases(args) -> list[dict]:
                 ds("gpt-wide", s, "nondp")
                 ds("gpt-wide", s, "layer", clipping="layer-wise", clipping_fn="abadi")
                 ds("gpt-wide", s, "all", clipping="all-layer", clipping_fn="abadi")
+                ds("gpt-wide", s, "all-2pass", **METHODS["all-2pass"])
             continue  # no one-process runs of the wide GPT
         elif model == "cnn":
             for s in stages:
@@ -139,6 +143,7 @@ def build_cases(args) -> list[dict]:
                 ds("cnn", s, "layer", clipping="layer-wise", clipping_fn="abadi")
                 if s == max(stages):
                     ds("cnn", s, "all", clipping="all-layer", clipping_fn="abadi")
+                    ds("cnn", s, "all-2pass", **METHODS["all-2pass"])
         for m in args.single_methods:
             single(model, m)
     if args.only:
@@ -188,6 +193,8 @@ def finish(results: list[dict], cases: list[dict]) -> None:
         r["rss_peak_ratio"] = max(r["rss_peak_mb"]) / max(b["rss_peak_mb"])
         gr, gb = max(r["rss_growth_mb"]), max(b["rss_growth_mb"])
         r["rss_growth_ratio"] = gr / gb if gb > 0 else float("nan")
+        if "alloc_step_peak_mb" in r and "alloc_step_peak_mb" in b:
+            r["alloc_step_peak_ratio"] = max(r["alloc_step_peak_mb"]) / max(b["alloc_step_peak_mb"])
         if "cuda_peak_mb" in r and "cuda_peak_mb" in b:
             r["cuda_peak_ratio"] = max(r["cuda_peak_mb"]) / max(b["cuda_peak_mb"])
 

@@ -273,7 +273,7 @@ def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch):
 def test_two_pass_all_layer_keeps_the_peak_memory_of_non_private_training():
     # book-keeping keeps every layer's input and output gradient until the last layer's backward; two-pass keeps
     # nothing, so its step peaks where plain training's does (plus its first pass's transients)
-    from memory import peak_cpu_bytes
+    from benchmarks.common import profiler_peak_bytes
 
     def deep():
         torch.manual_seed(0)
@@ -292,7 +292,7 @@ def test_two_pass_all_layer_keeps_the_peak_memory_of_non_private_training():
                 backward(engine, ((model(x) - y) ** 2).mean())
 
         step()  # p.grad exists from here on in every case
-        return peak_cpu_bytes(step)
+        return profiler_peak_bytes(step)
 
     plain, book_keeping, two_pass = peak(None), peak("book-keeping"), peak("two-pass")
     assert book_keeping > 1.5 * plain  # what two-pass is for
