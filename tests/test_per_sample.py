@@ -323,3 +323,11 @@ def test_two_pass_with_activation_checkpointing_matches_the_oracle():
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
     assert engine.stats["clipped"] == 5
+
+
+def test_two_pass_refuses_a_backward_without_its_norms_pass():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine = PerSampleEngine(model, 1.0, "all-layer", clipping_mode="two-pass").attach()
+    with pytest.raises(RuntimeError, match=r"norms_pass\(loss\) before loss.backward"), engine.micro_batch(batch_size=3):
+        model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())

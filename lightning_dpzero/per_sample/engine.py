@@ -282,6 +282,9 @@ class PerSampleEngine:
     # ---------------------------------------------------------------- backward
     def _on_backward(self, site: Site, params) -> list[Optional[torch.Tensor]]:
         """A site's backward: its norms, then the clipped gradients it returns (zeros where deferred)."""
+        if self.two_pass and self.phase is None:
+            raise RuntimeError("clipping_mode='two-pass' needs the norms first: call engine.norms_pass(loss) "
+                               "before loss.backward() (the strategies do).")
         if not self._pending:  # one finalize per backward pass (deferred gradients, statistics)
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
