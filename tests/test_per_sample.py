@@ -331,3 +331,36 @@ def test_two_pass_refuses_a_backward_without_its_norms_pass():
     with pytest.raises(RuntimeError, match=r"norms_pass\(loss\) before loss.backward"), engine.micro_batch(batch_size=3):
         model(torch.randn(3, 4)).sum().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_two_pass_runs_after_a_parameter_is_frozen_mid_training_as_book_keeping_does():
+    # freezing a layer after the engine attached (e.g. from a callback) must not break the norms pass
+    # (torch.autograd.grad refuses an input that does not require grad); the update equals book-keeping's
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        engine = PerSampleEngine(model, 0.05, "all-layer", clipping_mode=mode).attach()
+        model[0].weight.requires_grad_(False)
+        x, y = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1])
+        with engine.micro_batch(batch_size=5):
+            backward(engine, nn.functional.cross_entropy(model(x), y))
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, engine.stats
+
+    (two_pass, two_stats), (book, book_stats) = run("two-pass"), run("book-keeping")
+    assert two_stats == pytest.approx(book_stats)
+    for n in two_pass:
+        torch.testing.assert_close(two_pass[n], book[n], msg=n)
+
+
+def test_two_pass_refuses_reentrant_checkpointing_naming_the_fix():
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = PerSampleEngine(model, 1.0, "all-layer", clipping_mode="two-pass").attach()
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"two-pass.*use_reentrant=False.*book-keeping"), \
+            engine.micro_batch(batch_size=3):
+        h = torch.tanh(model[0](x))
+        out = model[2](checkpoint(torch.tanh, h, use_reentrant=True))
+        backward(engine, out.sum())
+    assert all(p.grad is None for p in model.parameters())

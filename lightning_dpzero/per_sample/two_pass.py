@@ -30,14 +30,28 @@ def norms_pass(engine, loss: torch.Tensor) -> None:
     backward, which is pass 2); a no-op unless ``engine.two_pass``. The graph is retained for pass 2.
 
     Raises:
-        RuntimeError: from autograd, e.g. a graph already freed; the engine is then back to one pass.
+        RuntimeError: from autograd, e.g. a graph already freed; the engine is then back to one pass. Naming the
+            fix for reentrant activation checkpointing (``use_reentrant=True``), which ``torch.autograd.grad``
+            cannot run through.
     """
     if not engine.two_pass:
         return
-    params = [p for group in engine.groups for p in group]
+    # a parameter frozen since attach (a fine-tuning callback) is no input of autograd.grad, which refuses one
+    # that does not require grad; its site still takes its norm, as in one pass
+    params = [p for group in engine.groups for p in group if p.requires_grad]
     engine.phase = "norms"
     try:
-        torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        if params:
+            torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    except RuntimeError as err:
+        engine.phase = None
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise RuntimeError(
+            "clipping_mode='two-pass' takes the norms in a backward pass through torch.autograd.grad, which "
+            "activation checkpointing with use_reentrant=True cannot run: checkpoint with use_reentrant=False "
+            "(HuggingFace: gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
+            "or use clipping_mode='book-keeping'.") from err
     except BaseException:
         engine.phase = None
         raise
