@@ -141,6 +141,7 @@ def run_case(case, out_dir, devices):
         clipping_groups=case.get("clipping_groups"), clipping_mode=case.get("clipping_mode", "book-keeping"),
         seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False),
         max_micro_batch_size=case.get("max_micro_batch_size"))
+    strategy.config.setdefault("zero_optimization", {}).update(case.get("zero_config", {}))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices // case.get("num_nodes", 1),
         num_nodes=case.get("num_nodes", 1), max_steps=case["steps"],
@@ -176,6 +177,7 @@ def run_case(case, out_dir, devices):
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),
                     "deepspeed_global_steps": int(strategy.deepspeed_engine.global_steps),
+                    "zero3_whole_params": sum(bool(getattr(p, "ds_persist", False)) for p in module.parameters()),
                     "epsilon": float(callbacks[0].epsilon()),
                     "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},
                    os.path.join(out_dir, f"{name}.pt"))

@@ -53,6 +53,11 @@ def _cases(world_size):
                       clipping_groups=[["net.emb.*", "net.ln.*"], ["net.lin.*", "net.head.*"]]))
     cases.append(dict(BASE, name="i2_2pass_vit_s3", model="vit", stage=3, clipping="all-layer",
                       clipping_mode="two-pass"))
+    # ZeRO-3 keeps parameters below its persistence threshold whole; at 0 every parameter is partitioned, so
+    # each backward pass gathers them (DeepSpeed counts one backward per forward)
+    for mode in ("two-pass", "book-keeping"):
+        cases.append(dict(BASE, name=f"i2_{mode}_partitioned_s3_a2", stage=3, accumulate=2, clipping="all-layer",
+                          clipping_mode=mode, zero_config={"stage3_param_persistence_threshold": 0}))
     # the per-step sums of the DP pieces are one all-reduce each, with no barrier (a second round trip) before
     cases.append(dict(BASE, name="i2_barriers_s2_a2", stage=2, accumulate=2, count_barriers=True))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
@@ -115,6 +120,16 @@ def test_i2_clipping_matches_torch_func_oracle(runs):
             assert math.isfinite(res["train_loss_epoch"])
         checked += 1
     assert checked >= 5
+
+
+def test_zero3_partitioned_cases_partition_every_parameter(runs):
+    # the cases meant to make each backward pass gather parameters must not keep any whole (not vacuous)
+    found = _by_prefix(runs, "i2_two-pass_partitioned") + _by_prefix(runs, "i2_book-keeping_partitioned")
+    assert found
+    for ws, case, res in found:
+        assert res["zero3_whole_params"] == 0, case["name"]
+    # and the default threshold keeps the small test models' parameters whole
+    assert _by_prefix(runs, "i2_2pass_s3")[0][2]["zero3_whole_params"] > 0
 
 
 def test_the_dp_pieces_add_no_barrier_to_a_training_batch(runs):
