@@ -386,3 +386,17 @@ def test_two_pass_refuses_a_recomputation_inside_the_norms_pass_where_asked():
         with engine.micro_batch(batch_size=5):
             backward(engine, nn.functional.cross_entropy(model(torch.randn(5, 4, 8)), torch.randint(0, 3, (5,))))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_parameter_unfrozen_after_attach_is_refused_at_the_next_micro_batch():
+    # e.g. Lightning's BaseFinetuning unfreezing a backbone during fit: no clipping group holds the parameter, so it
+    # would silently never train
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    engine = PerSampleEngine(model, 1.0).attach()
+    with engine.micro_batch(batch_size=3):
+        model(torch.randn(3, 4)).sum().backward()
+    model[0].requires_grad_(True)
+    with pytest.raises(UnsupportedLayerError, match=r"2 parameter\(s\) became trainable.*'0.weight', '0.bias'.*"
+                                                     r"Set requires_grad before trainer.fit"):
+        engine.start_micro_batch(3)

@@ -176,3 +176,20 @@ def _guard(engine, name: str, p):
             "(module in eval() mode or under a custom autograd path during training).")
     return check
 
+
+
+def check_none_unfrozen(engine) -> None:
+    """Refuse, at the start of a micro-batch, a parameter made trainable after the engine formed its clipping
+    groups (a fine-tuning callback that unfreezes layers during fit): no group holds it, so its layer returns
+    no gradient for it and it would silently never train; DeepSpeed's optimizer was also built without it."""
+    groups = getattr(engine, "group_of", None)  # None: group-wise groups not given yet (set_groups)
+    if groups is None:
+        return
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad and id(p) not in groups]
+    if named:
+        shown = ", ".join(f"'{n}'" for n, _ in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+        raise UnsupportedLayerError(
+            f"{len(named)} parameter(s) became trainable after differential privacy was set up at the start of fit "
+            f"({shown}): the per-example clipping groups and DeepSpeed's optimizer are fixed then, so they would "
+            "never receive a gradient. Set requires_grad before trainer.fit; to unfreeze in stages, run one fit "
+            "per stage (resuming from the checkpoint continues the privacy ledger).")

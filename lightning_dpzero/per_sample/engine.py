@@ -37,7 +37,7 @@ from torch import nn
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
 from .clipping import clip_coefficients, form_groups, validate_clipping
-from .coverage import attach_hooks, check_batch_mixing, check_coverage, install_guards
+from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
 from .maths import param_shape
 from .two_pass import clip_site, norms_pass, recompute_refused
@@ -188,6 +188,7 @@ class PerSampleEngine:
     def start_micro_batch(self, batch_size: Optional[int]) -> None:
         """A micro-batch of ``batch_size`` examples (``None``: read each layer's first input dimension) starts
         its forward: sites of an earlier forward that never ran backward are forgotten."""
+        check_none_unfrozen(self)
         self.expected_batch_size = batch_size
         self.new_forward()
 
