@@ -215,7 +215,8 @@ class PerSampleEngine:
     def norms_pass(self, loss: torch.Tensor) -> None:
         """With ``clipping_mode="two-pass"``: the first backward pass on ``loss``, which fixes every group's
         clipping coefficients; the caller's own backward of ``loss`` then forms the clipped gradients
-        (``two_pass.py``). A no-op otherwise."""
+        (``two_pass.py``). A no-op otherwise. The second backward must start from this same ``loss`` (not a
+        rescaled one): the coefficients fixed here bound the gradients that backward forms."""
         norms_pass(self, loss)
 
     def _reset_pass(self) -> None:
