@@ -425,7 +425,7 @@ def test_multihead_attention_eval_and_refusals():
     assert mha.in_proj_weight.grad is not None
     with eng.micro_batch(batch_size=3), pytest.raises(UnsupportedLayerError, match="same batch size"):
         mha(torch.randn(3, 2, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4))
-    mha.out_proj.weight = nn.Parameter(torch.empty(0))  # what ZeRO-3 leaves when it did not gather out_proj
+    mha.out_proj.weight.data = torch.empty(0)  # what ZeRO-3 leaves when it did not gather out_proj (same object)
     mha.out_proj.weight.ds_shape = (4, 4)
     with eng.micro_batch(batch_size=3), pytest.raises(UnsupportedLayerError, match="set_z3_leaf_modules"):
         mha(*[torch.randn(3, 2, 4)] * 3)
