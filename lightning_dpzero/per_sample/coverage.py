@@ -185,6 +185,8 @@ def check_none_unfrozen(engine) -> None:
     groups = getattr(engine, "group_of", None)  # None: group-wise groups not given yet (set_groups)
     if groups is None:
         return
+    if all(id(p) in groups for p in engine.module.parameters() if p.requires_grad):  # every micro-batch: no names
+        return
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad and id(p) not in groups]
     if named:
         shown = ", ".join(f"'{n}'" for n, _ in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")

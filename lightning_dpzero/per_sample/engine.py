@@ -149,6 +149,7 @@ class PerSampleEngine:
                                                      group_max_grad_norms, self.max_grad_norm)
         self.groups = members
         self.group_of = {id(p): k for k, grp in enumerate(members) for p in grp}
+        self.group_ids = [{id(p) for p in grp} for grp in members]
         for h in self.hooks:
             h.param_ids = [id(p) if p is not None and p.requires_grad else None for p in h.rule.params(h.module)]
             h.groups = sorted({self.group_of[i] for i in h.param_ids if i is not None})
@@ -296,11 +297,7 @@ class PerSampleEngine:
         hook = site.hook
         scale = site.scale = self.grad_scale * (site.x.shape[0] if self.loss_reduction == "mean" else 1)
         if self.phase == "clip":
-            grads = clip_site(self, site, params)
-            for i, gr in zip(hook.param_ids, grads):
-                if i is not None:
-                    self._add(self._emitted, i, gr)
-            return grads
+            return self._returned(hook.param_ids, params, clip_site(self, site))
         ids = hook.param_ids
         shared = [i is not None and self._param_sites.get(i, 0) > 1 for i in ids]
         plain = [i is not None and not s for i, s in zip(ids, shared)]
@@ -327,6 +324,11 @@ class PerSampleEngine:
                 out.update(self._complete(k, hook))
         if norms_only:
             return [None] * len(params)
+        return self._returned(ids, params, out)
+
+    def _returned(self, ids: list, params, out: dict[int, torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """What a site's backward returns for its parameters: the sums in ``out`` (zeros for the others, which
+        are deferred or have none), recorded for the guard."""
         grads = [out.get(i, torch.zeros_like(p)) if i is not None else None for i, p in zip(ids, params)]
         for i, gr in zip(ids, grads):
             if i is not None:
@@ -344,7 +346,7 @@ class PerSampleEngine:
 
     def _complete(self, k: int, hook: Optional[LayerHook]) -> dict[int, torch.Tensor]:
         """Group ``k`` has seen all its sites: coefficients, then its clipped gradients (returned or deferred)."""
-        ids = {id(p) for p in self.groups[k]}
+        ids = self.group_ids[k]
         sq = self._group_sq.pop(k, None)
         for i in ids & self._shared_sum.keys():
             s = self._shared_sum.pop(i).flatten(1).pow(2).sum(1)

@@ -20,8 +20,6 @@ The cost is the first pass: the backward of every layer's input gradient a secon
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -43,18 +41,15 @@ def norms_pass(engine, loss: torch.Tensor) -> None:
     try:
         if params:
             torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    except RuntimeError as err:
+    except BaseException as err:
         engine.phase = None
-        if "use_reentrant=True" not in str(err):
+        if not (isinstance(err, RuntimeError) and "use_reentrant=True" in str(err)):
             raise
         raise RuntimeError(
             "clipping_mode='two-pass' takes the norms in a backward pass through torch.autograd.grad, which "
             "activation checkpointing with use_reentrant=True cannot run: checkpoint with use_reentrant=False "
             "(HuggingFace: gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
             "or use clipping_mode='book-keeping'.") from err
-    except BaseException:
-        engine.phase = None
-        raise
     engine.phase = "clip"
 
 
@@ -73,20 +68,14 @@ def recompute_refused(hook) -> Exception:
         "checkpointing off, or train on ZeRO-2.")
 
 
-def clip_site(engine, site, params) -> list[Optional[torch.Tensor]]:
-    """Pass 2 at one site: ``Σ_i c_i · g_i`` of each of its parameters with its group's coefficients from pass 1,
-    returned through autograd (zeros for a parameter whose rule gives none)."""
-    hook = site.hook
-    ids = hook.param_ids
-    grads: list[Optional[torch.Tensor]] = [None] * len(ids)
-    for k in hook.groups:
+def clip_site(engine, site) -> dict[int, torch.Tensor]:
+    """Pass 2 at one site: ``Σ_i c_i · g_i`` of each of its parameters, keyed by parameter id, with its group's
+    coefficients from pass 1 (``PerSampleEngine._site_clipped``, as a layer-wise site forms them)."""
+    out: dict[int, torch.Tensor] = {}
+    for k in site.hook.groups:
         coef = engine.pass_coefficients.get(k)
         if coef is None:
-            raise RuntimeError(f"Two-pass clipping: {type(hook.module).__name__} '{hook.name}' ran its backward in "
-                               "the second pass but not in the first, so its clipping coefficients are unknown.")
-        mask = [i is not None and engine.group_of[i] == k for i in ids]
-        for j, gr in enumerate(hook.rule.clipped_grads(site, coef * (site.scale * engine.emit_scale), mask)):
-            if mask[j]:
-                grads[j] = gr
-    return [None if i is None else (gr if gr is not None else torch.zeros_like(p))
-            for i, gr, p in zip(ids, grads, params)]
+            raise RuntimeError(f"Two-pass clipping: {type(site.module).__name__} '{site.hook.name}' ran its backward "
+                               "in the second pass but not in the first, so its clipping coefficients are unknown.")
+        out.update(engine._site_clipped(site, engine.group_ids[k], coef))
+    return out
