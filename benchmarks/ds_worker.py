@@ -232,9 +232,10 @@ def lightning_worker(cfg: dict) -> dict:
                 self.start.rf = None
 
     # one more step after the timed ones, under the profiler's memory record (CPU, no --profile): the peak of
-    # the allocator's live bytes during a step, above those live when it starts (deterministic, unlike RSS)
+    # the allocator's live bytes during a step, above those live when it starts (deterministic, unlike RSS);
+    # every rank takes that step or none does (--profile profiles rank 0 only: no memory step on any rank)
     memory = None
-    if not on_gpu and prof is None:
+    if not on_gpu and not cfg.get("profile"):
         from torch.profiler import ProfilerActivity, profile
 
         memory = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
