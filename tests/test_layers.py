@@ -568,3 +568,46 @@ def test_cost_model_choices():
     assert cp(512, 64, 64, False) == "instantiate"
     assert cp(1, 256, 256, True) == "instantiate"  # T = 1: the norm is a product of two row norms
     assert cp(128, 256, 256, True, "cuda", torch.bfloat16) == "ghost"  # HBM traffic against tensor cores
+
+
+class SharedInputs(nn.Module):
+    """A decoder block's q, k, v (three Linears reading one input) and a gated MLP's gate and up (two reading
+    another), beside a Linear reading a different tensor of the same shape, whose input Gram is not theirs."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.gate, self.up, self.other = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d), nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        h = torch.tanh(self.q(x)) * self.k(x) + self.v(x)
+        return torch.sigmoid(self.gate(h)) * self.up(h) + self.other(h.flip(1))
+
+
+@pytest.mark.parametrize("clip", [dict(clipping="layer-wise"), dict(clipping="all-layer"),
+                                  dict(clipping="all-layer", mode="two-pass")])
+def test_layers_reading_one_input_share_its_gram(clip):
+    """The ghost norms of layers that read one input form its Gram ``a aᵀ`` once (q/k/v: one instead of
+    three; gate/up: one instead of two), and still equal the oracle, also beside a layer whose input has the
+    same shape but other values."""
+    from lightning_dpzero.per_sample.maths import InputGrams
+
+    clip = {"clipping_fn": "abadi", "C": 0.05, "path": "ghost", "B": 3, "seed": 5, "mode": "book-keeping", **clip}
+    model, x = SharedInputs(), torch.randn(3, 6, 4)
+    check_oracle(model, x, clip)
+
+    def bmm_calls(share: bool) -> int:
+        engine = PerSampleEngine(model, max_grad_norm=0.05, clipping=clip["clipping"],
+                                 clipping_mode=clip["mode"]).attach()
+        real = InputGrams.of
+        unshared = lambda self, a: (self.clear(), real(self, a))[1]  # noqa: E731 - forms every Gram afresh
+        try:
+            with force_path("ghost"), mock.patch.object(InputGrams, "of", real if share else unshared), \
+                    engine.micro_batch(batch_size=3), AtenOps() as ops:
+                backward(engine, loss_fn(model(x), torch.zeros(3, 6 * 8)))
+        finally:
+            engine.detach()
+        assert engine.input_grams._gram is None  # nothing kept after the backward pass
+        return ops.count("bmm")
+
+    assert bmm_calls(share=True) == bmm_calls(share=False) - 3

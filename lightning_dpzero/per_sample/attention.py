@@ -199,9 +199,11 @@ class MultiheadAttentionRule(LayerRule):
                 for (kind, t), m, p in zip(self._pieces(site.x, site.g), mask, self.params(site.module))]
 
     def norm_sq(self, site, mask):
+        grams = site.hook.engine.input_grams  # self-attention: query, key and value are one input
+
         def sq(kind, t, p):
             if kind == "w":
-                return sum(rows_norm_sq(a, gg, rows_path(a, gg)) for a, gg in t)
+                return sum(rows_norm_sq(a, gg, rows_path(a, gg), grams) for a, gg in t)
             if kind == "b":
                 return sum(per_example_sq(gg.float().sum(1)) for gg in t)
             return per_example_sq(t)

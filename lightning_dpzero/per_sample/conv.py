@@ -141,7 +141,7 @@ class ConvRule(LinearRule):
                            gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), padding, B * module.groups, want_input=False)
         return w.view(B, *shape)
 
-    def _weight_norm_sq(self, module, x, g, path):
+    def _weight_norm_sq(self, module, x, g, path, grams=None):  # unfolded rows are never shared
         B, T = x.shape[0], math.prod(g.shape[2:])
         if T > 1 and path == "instantiate":  # one grouped kernel call, no unfold
             return per_example_sq(self._instantiate(module, x, g))

@@ -39,7 +39,7 @@ from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
 from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
-from .maths import param_shape
+from .maths import InputGrams, param_shape
 from .two_pass import clip_site, norms_pass, recompute_refused
 from .window import WindowBuffer
 
@@ -231,6 +231,7 @@ class PerSampleEngine:
         self._paths: dict[str, str] = {}  # per layer: the path of its weight gradient (``last_paths``)
         self._total_sq: Optional[torch.Tensor] = None
         self._pending = False
+        self.input_grams = InputGrams()  # the ghost norms' input Gram shared by layers reading one input (maths.py)
 
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""

@@ -48,9 +48,10 @@ class LinearRule(LayerRule):
         a, gg = self._rows(module, x, g)
         return rows_per_example(a, gg).view(gg.shape[0], *param_shape(module.weight))
 
-    def _weight_norm_sq(self, module, x, g, path):
-        """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate)."""
-        return rows_norm_sq(*self._rows(module, x, g), path)
+    def _weight_norm_sq(self, module, x, g, path, grams=None):
+        """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate;
+        ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram)."""
+        return rows_norm_sq(*self._rows(module, x, g), path, grams)
 
     def _weighted_weight(self, module, x, g, coef):
         """``Σ_i coef_i G_i`` in ``g``'s dtype with the weight's shape, without a per-example tensor."""
@@ -77,7 +78,7 @@ class LinearRule(LayerRule):
                 w = per_example_sq(per)
                 site.kept["per_example"] = (per, pb)
             else:
-                w = self._weight_norm_sq(module, x, g, path)
+                w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
         return [w, pb.pow(2).sum(1) if bias else None]
 
     def per_example(self, site, mask):

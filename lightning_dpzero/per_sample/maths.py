@@ -30,18 +30,65 @@ def rows_per_example(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.bmm(g.float().transpose(1, 2), a.float())
 
 
-def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str) -> torch.Tensor:
+def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str, grams: Optional["InputGrams"] = None) -> torch.Tensor:
     """Per-example ‖Σ_t g_t a_tᵀ‖² for ``a`` (B,T,d), ``g`` (B,T,p), returned fp32 ``(B,)``.
 
     ``path`` (from :func:`.paths.choose_path`): ``"ghost"`` uses ``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (Li et al.
     2021), anything else instantiates the ``(B, p, d)`` gradients. With one row (T = 1) the norm is the
-    product of the two row norms whatever the path."""
-    a, g = a.float(), g.float()
+    product of the two row norms whatever the path. ``grams``: where given, the ghost norm takes ``a aᵀ`` from
+    it, shared with the layers before it that read the same input rows."""
     if a.shape[1] == 1:
-        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+        return a.float().pow(2).sum((1, 2)) * g.float().pow(2).sum((1, 2))
     if path == "ghost":
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return per_example_sq(rows_per_example(a, g))
+        gf = g.float()
+        aa = grams.of(a) if grams is not None else _gram(a)
+        return (aa * torch.bmm(gf, gf.transpose(1, 2))).sum((1, 2))
+    return per_example_sq(rows_per_example(a.float(), g.float()))
+
+
+def _gram(a: torch.Tensor) -> torch.Tensor:
+    af = a.float()
+    return torch.bmm(af, af.transpose(1, 2))
+
+
+class InputGrams:
+    """The Gram matrices ``a aᵀ`` (B, T, T) fp32 of the last input rows a ghost norm read, for the layers that
+    read the same input: a decoder block's q, k and v projections, a gated MLP's gate and up projections, the
+    three projections of a self-attention. Each such layer then forms only its output gradients' Gram (Li et
+    al. 2021's ghost norm costs ``T²(d + p)`` per example; the ``T²d`` half is formed once per input).
+
+    One entry: the layers that read one input run their backward one after another. It is keyed by the rows'
+    memory, shape, strides, dtype and version counter, and holds the rows, so that their memory cannot be
+    reused by another tensor while the entry lives. The engine owns one and clears it when a backward pass
+    ends; at most one extra ``(B, T, T)`` tensor lives between sites.
+
+    Example:
+        >>> grams = InputGrams()
+        >>> a = torch.randn(2, 3, 4)
+        >>> grams.of(a) is grams.of(a.view(2, 3, 4))  # the same rows: formed once
+        True
+        >>> torch.allclose(grams.of(a), a @ a.transpose(1, 2))
+        True
+    """
+
+    __slots__ = ("_key", "_rows", "_gram")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the entry (end of a backward pass)."""
+        self._key: Optional[tuple] = None
+        self._rows: Optional[torch.Tensor] = None
+        self._gram: Optional[torch.Tensor] = None
+
+    def of(self, a: torch.Tensor) -> torch.Tensor:
+        """``a aᵀ`` in fp32 for rows ``a`` (B, T, d): the entry's when ``a`` views the same rows, else formed
+        (and kept in place of the entry)."""
+        key = (a.device, a.data_ptr(), a.dtype, tuple(a.shape), a.stride(), a._version)
+        if self._rows is None or key != self._key:
+            self._key, self._rows, self._gram = key, a, _gram(a)
+        return self._gram
 
 
 def per_example_sq(t: torch.Tensor) -> torch.Tensor:

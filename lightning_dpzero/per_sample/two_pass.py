@@ -41,6 +41,7 @@ def norms_pass(engine, loss: torch.Tensor) -> None:
     try:
         if params:
             torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        engine.input_grams.clear()  # the second pass takes no norms
     except BaseException as err:
         engine.phase = None
         if not (isinstance(err, RuntimeError) and "use_reentrant=True" in str(err)):
