@@ -29,6 +29,7 @@ def instrument() -> None:
     """Wrap rule methods and engine entry points in record_function labels (this process only)."""
     from lightning_dpzero.per_sample import engine as engine_mod
     from lightning_dpzero.per_sample import registry
+    from lightning_dpzero.per_sample import sums as sums_mod
 
     def wrap(owner, name, label):
         fn = owner.__dict__.get(name)
@@ -52,8 +53,10 @@ def instrument() -> None:
             for meth in ("grad_input", "norm_sq", "clipped_grads", "add_clipped_grads", "per_example", "_rows",
                          "_per_example", "_segments", "_native", "forward"):
                 wrap(cls, meth, f"dpzero.{cls.__name__}.{meth}")
-    for meth in ("_on_backward", "_complete", "_clipped", "_write_clipped", "finalize", "_forward"):
+    for meth in ("_on_backward", "_complete", "finalize", "_forward"):
         wrap(engine_mod.PerSampleEngine, meth, f"dpzero.engine.{meth}")
+    for fn in ("clipped", "write_clipped"):  # a completed group's clipped sums (module functions)
+        wrap(sums_mod, fn, f"dpzero.sums.{fn}")
 
 
 def instrument_strategy() -> None:

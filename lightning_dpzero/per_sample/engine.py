@@ -39,7 +39,8 @@ from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
 from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
-from .maths import InputGrams, param_shape
+from . import sums
+from .maths import InputGrams
 from .two_pass import clip_site, norms_pass, recompute_refused
 from .window import WindowBuffer
 
@@ -360,41 +361,9 @@ class PerSampleEngine:
             self.pass_coefficients[k] = coef
             return {}
         if hook is not None and self._returns(k, hook):
-            return self._clipped(ids, coef, records)
+            return sums.clipped(self, ids, coef, records)
         self._deferred.append((ids, coef, records))
         return {}
-
-    def _site_clipped(self, site: Site, ids: set[int], coef: torch.Tensor,
-                      by_id: Optional[dict] = None) -> list[tuple[int, torch.Tensor]]:
-        """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids``; with ``by_id`` (a deferred
-        write) the rule may add a sum into ``p.grad`` in place (one addmm for a Linear, no temporary of the
-        weight's size), and that parameter is left out."""
-        hook, c = site.hook, coef * (site.scale * self.emit_scale)
-        mask = [i in ids for i in hook.param_ids]
-        dtype = getattr(site.g, "dtype", None)  # a multi-input rule's records are its own
-        if by_id is None or dtype is None:
-            grads = hook.rule.clipped_grads(site, c, mask)
-        else:
-            into = [self.window.grad_into(by_id[i], dtype, math.prod(param_shape(by_id[i]))) if m else None
-                    for i, m in zip(hook.param_ids, mask)]
-            grads = hook.rule.add_clipped_grads(site, c, mask, into)
-        return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
-
-    def _clipped(self, ids: set[int], coef: torch.Tensor, records: list) -> dict[int, torch.Tensor]:
-        """Σ over sites of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id."""
-        out: dict[int, torch.Tensor] = {}
-        for site in records:
-            for i, gr in self._site_clipped(site, ids, coef):
-                self._add(out, i, gr)
-        return out
-
-    def _write_clipped(self, ids: set[int], coef: torch.Tensor, records: list, by_id: dict) -> None:
-        """Deferred writes of group ``ids``, site by site in backward order: each site is dropped as soon as its
-        sums are written, so its input and output gradient are freed before the next site's sums are formed
-        (no second copy of the gradients beside every site's records at the end of the backward pass)."""
-        records.reverse()
-        while records:
-            self.window.write((by_id[i], gr) for i, gr in self._site_clipped(records.pop(), ids, coef, by_id))
 
     def finalize(self) -> None:
         """End of a backward pass: deferred gradients are added to ``p.grad``, statistics updated."""
@@ -409,7 +378,7 @@ class PerSampleEngine:
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
         deferred, self._deferred = self._deferred, []
         for ids, coef, records in deferred:
-            self._write_clipped(ids, coef, records, by_id)
+            sums.write_clipped(self, ids, coef, records, by_id)
         total, paths = self._total_sq, self._paths
         self._reset_pass()
         if total is not None:  # a backward ran (``micro_batch`` calls this again after the queued call)

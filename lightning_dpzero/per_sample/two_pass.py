@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .sums import site_clipped
+
 
 def norms_pass(engine, loss: torch.Tensor) -> None:
     """Pass 1 of two-pass clipping on ``loss`` (the micro-batch's loss as the caller will hand it to its own
@@ -71,12 +73,12 @@ def recompute_refused(hook) -> Exception:
 
 def clip_site(engine, site) -> dict[int, torch.Tensor]:
     """Pass 2 at one site: ``Σ_i c_i · g_i`` of each of its parameters, keyed by parameter id, with its group's
-    coefficients from pass 1 (``PerSampleEngine._site_clipped``, as a layer-wise site forms them)."""
+    coefficients from pass 1 (``sums.site_clipped``, as a layer-wise site forms them)."""
     out: dict[int, torch.Tensor] = {}
     for k in site.hook.groups:
         coef = engine.pass_coefficients.get(k)
         if coef is None:
             raise RuntimeError(f"Two-pass clipping: {type(site.module).__name__} '{site.hook.name}' ran its backward "
                                "in the second pass but not in the first, so its clipping coefficients are unknown.")
-        out.update(engine._site_clipped(site, engine.group_ids[k], coef))
+        out.update(site_clipped(engine, site, engine.group_ids[k], coef))
     return out

@@ -1,0 +1,58 @@
+"""The clipped sums ``Σ_i c_i g_i`` of a completed clipping group, from the sites the engine recorded for it.
+
+A group completes when its last site has run backward (``PerSampleEngine._complete``): its per-example norms
+give the coefficients ``c_i`` (``clipping.clip_coefficients``), then each recorded site's rule forms its part
+of the group's clipped sum. The sums are either returned through autograd from the completing site
+(:func:`clipped`: layer-wise) or written into ``p.grad`` when the backward pass ends (:func:`write_clipped`:
+all-layer and group-wise book-keeping, Bu et al. 2023), site by site so that each site's records are freed as
+soon as its sums are formed. Two-pass clipping's second pass forms each site's sums with :func:`site_clipped`
+(``two_pass.py``). See docs/design.md, *The factors on the loss*, for ``site.scale`` and ``emit_scale``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .base import Site
+from .maths import param_shape
+
+
+def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor,
+                 by_id: Optional[dict] = None) -> list[tuple[int, torch.Tensor]]:
+    """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids`` (coefficients ``coef`` (B,)
+    fp32, scaled here by the site's per-example factor and the engine's ``emit_scale``). With ``by_id`` (a
+    deferred write: parameter id → parameter) the rule may add a sum into ``p.grad`` in place (one addmm for a
+    Linear, no temporary of the weight's size), and that parameter is left out of the result."""
+    hook, c = site.hook, coef * (site.scale * engine.emit_scale)
+    mask = [i in ids for i in hook.param_ids]
+    dtype = getattr(site.g, "dtype", None)  # a multi-input rule's records are its own
+    if by_id is None or dtype is None:
+        grads = hook.rule.clipped_grads(site, c, mask)
+    else:
+        into = [engine.window.grad_into(by_id[i], dtype, math.prod(param_shape(by_id[i]))) if m else None
+                for i, m in zip(hook.param_ids, mask)]
+        grads = hook.rule.add_clipped_grads(site, c, mask, into)
+    return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
+
+
+def clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site]) -> dict[int, torch.Tensor]:
+    """Σ over the sites ``records`` of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id (what
+    the completing site returns through autograd)."""
+    out: dict[int, torch.Tensor] = {}
+    for site in records:
+        for i, gr in site_clipped(engine, site, ids, coef):
+            out[i] = gr if i not in out else out[i] + gr
+    return out
+
+
+def write_clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site], by_id: dict) -> None:
+    """Deferred writes of group ``ids`` through the engine's window buffer, site by site in backward order:
+    each site is dropped as soon as its sums are written, so its input and output gradient are freed before the
+    next site's sums are formed (no second copy of the gradients beside every site's records at the end of the
+    backward pass). Empties ``records``."""
+    records.reverse()
+    while records:
+        engine.window.write((by_id[i], gr) for i, gr in site_clipped(engine, records.pop(), ids, coef, by_id))
