@@ -333,20 +333,24 @@ def test_two_pass_refuses_a_backward_without_its_norms_pass():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_two_pass_runs_after_a_parameter_is_frozen_mid_training_as_book_keeping_does():
-    # freezing a layer after the engine attached (e.g. from a callback) must not break the norms pass
-    # (torch.autograd.grad refuses an input that does not require grad); the update equals book-keeping's
-    def run(mode):
+def test_a_parameter_frozen_after_attach_gets_no_gradient_and_two_pass_matches_book_keeping():
+    # freezing a layer after the engine attached (e.g. from a callback): the frozen weight is left untouched in every
+    # mode (book-keeping's deferred write gave it a gradient, so the optimizer moved it), the norms pass still runs
+    # (torch.autograd.grad refuses an input that does not require grad), and two-pass's update equals book-keeping's
+    def run(clipping, mode):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-        engine = PerSampleEngine(model, 0.05, "all-layer", clipping_mode=mode).attach()
+        engine = PerSampleEngine(model, 0.05, clipping, clipping_mode=mode).attach()
         model[0].weight.requires_grad_(False)
         x, y = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1])
         with engine.micro_batch(batch_size=5):
             backward(engine, nn.functional.cross_entropy(model(x), y))
+        assert model[0].weight.grad is None, (clipping, mode)
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
         return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, engine.stats
 
-    (two_pass, two_stats), (book, book_stats) = run("two-pass"), run("book-keeping")
+    run("layer-wise", "book-keeping")
+    (two_pass, two_stats), (book, book_stats) = run("all-layer", "two-pass"), run("all-layer", "book-keeping")
     assert two_stats == pytest.approx(book_stats)
     for n in two_pass:
         torch.testing.assert_close(two_pass[n], book[n], msg=n)

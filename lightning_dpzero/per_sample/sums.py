@@ -52,7 +52,10 @@ def write_clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site]
     """Deferred writes of group ``ids`` through the engine's window buffer, site by site in backward order:
     each site is dropped as soon as its sums are written, so its input and output gradient are freed before the
     next site's sums are formed (no second copy of the gradients beside every site's records at the end of the
-    backward pass). Empties ``records``."""
+    backward pass). A parameter frozen since attach (``requires_grad=False``, e.g. by a fine-tuning callback) is
+    written nothing, as autograd gives it nothing where a site returns its sums; its norm still counted in the
+    group's (conservative). Empties ``records``."""
+    ids = {i for i in ids if by_id[i].requires_grad}
     records.reverse()
     while records:
         engine.window.write((by_id[i], gr) for i, gr in site_clipped(engine, records.pop(), ids, coef, by_id))
