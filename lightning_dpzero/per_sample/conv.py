@@ -6,7 +6,10 @@ then ``Σ_t g_t a_tᵀ``, a Linear's, so the Linear rule's choice among ghost no
 instantiate-and-reuse (Li et al. 2021; Bu et al. 2023; see ``paths``) applies unchanged. Where the
 per-example gradients were not kept, the clipped sum is PyTorch's own weight-gradient kernel
 (``aten.convolution_backward``, the non-DP backward's) on coefficient-scaled output gradients: no
-second unfold.
+second unfold. Per-example gradients, norms and clipped sums are formed for part of the batch at a time
+(``paths.norm_chunk``): PyTorch's kernels copy their inputs, and the unfolded rows are k² times the input, so
+a whole batch at once made these the largest tensors of a DP step; the parts bound them, and were measured
+faster too (they stay in cache).
 
 Supported: any stride, dilation, padding (int, tuple, ``'valid'``, ``'same'`` also when asymmetric), every
 ``padding_mode`` (the input is padded explicitly, then unfolded without padding), and ``groups`` G: group j
@@ -30,6 +33,7 @@ from torch import nn
 from .base import LayerRule, UnsupportedLayerError
 from .linear import LinearRule
 from .maths import param_shape, per_example_sq, rows_norm_sq
+from .paths import norm_chunk
 from .registry import register_rule
 
 
@@ -127,9 +131,35 @@ class ConvRule(LinearRule):
             return _pad_explicitly(module, x), [0] * len(module.kernel_size)
         return x, [l for l, _ in _pads(module)]
 
+    def _parts(self, module, x, g, work: str) -> list[slice]:
+        """The batch in parts (:func:`.paths.norm_chunk`) for ``work``, by its temporaries per example:
+        ``"ghost"``, the ghost norm's unfolded rows and two Gram matrices per group; ``"instantiate"``, the
+        grouped kernel's copies of the example's input and output gradient and its weight gradient (formed,
+        then copied out); ``"sum"``, the weight-gradient kernel's copies of the input and output gradient and
+        the scaled copy of the smaller."""
+        B, T, d, p = self._dims(module, x, g)
+        G = module.groups
+        rows = (x.numel() + g.numel()) // max(1, B)
+        per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": rows + 2 * G * p * d,
+               "sum": rows + min(x.numel(), g.numel()) // max(1, B)}[work]
+        k = norm_chunk(x, g, per)
+        return [slice(i, i + k) for i in range(0, B, k)] if B > k else [slice(None)]
+
     def _instantiate(self, module, x, g):
-        """Per-example weight gradients as one grouped weight-gradient kernel call, the batch folded into the
-        channels (B·G groups; Rochette et al. 2019): no unfold, the same kernel family as non-DP."""
+        """Per-example weight gradients ``(B, C_out, C_in/G, *k)`` fp32, a part of the batch at a time
+        (:meth:`_parts`): beside bounding the kernel's temporaries, parts that stay in cache were measured
+        faster here (4 to 8 examples of the benchmark CNN's 32: 1.6-2× on its two wider layers)."""
+        parts = self._parts(module, x, g, "instantiate")
+        if len(parts) == 1:
+            return self._instantiate_part(module, x, g)
+        out = torch.empty((x.shape[0], *param_shape(module.weight)), dtype=torch.float32, device=g.device)
+        for s in parts:
+            out[s] = self._instantiate_part(module, x[s], g[s])
+        return out
+
+    def _instantiate_part(self, module, x, g):
+        """One grouped weight-gradient kernel call, the batch folded into the channels (B·G groups; Rochette et
+        al. 2019): no unfold, the same kernel family as non-DP."""
         shape = param_shape(module.weight)
         B = x.shape[0]
         if B == 0:
@@ -142,9 +172,16 @@ class ConvRule(LinearRule):
         return w.view(B, *shape)
 
     def _weight_norm_sq(self, module, x, g, path, grams=None):  # unfolded rows are never shared
+        """The norms alone, a part of the batch at a time (:meth:`_parts`)."""
+        parts = self._parts(module, x, g, path)
+        if len(parts) == 1:
+            return self._norm_sq_of(module, x, g, path)
+        return torch.cat([self._norm_sq_of(module, x[s], g[s], path) for s in parts])
+
+    def _norm_sq_of(self, module, x, g, path):
         B, T = x.shape[0], math.prod(g.shape[2:])
         if T > 1 and path == "instantiate":  # one grouped kernel call, no unfold
-            return per_example_sq(self._instantiate(module, x, g))
+            return per_example_sq(self._instantiate_part(module, x, g))
         a, gg = self._rows(module, x, g)
         G = module.groups
         if G == 1:
@@ -152,15 +189,22 @@ class ConvRule(LinearRule):
         return rows_norm_sq(_fold_groups(a, G), _fold_groups(gg, G), path).view(B, G).sum(1)
 
     def _weighted_weight(self, module, x, g, coef):
-        """``Σ_i coef_i G_i`` with PyTorch's own weight-gradient kernel on coefficient-scaled output
-        gradients (the non-DP backward's kernel; no unfold, no per-example tensor)."""
+        """``Σ_i coef_i G_i`` with PyTorch's own weight-gradient kernel (the non-DP backward's; no unfold, no
+        per-example tensor) on the input or the output gradient scaled by the coefficients, whichever is
+        smaller (the weight gradient is linear in each; padding, of any mode, commutes with the scaling), summed
+        over parts of the batch (:meth:`_parts`: the kernel copies both)."""
         shape = param_shape(module.weight)
         if x.shape[0] == 0:
             return torch.zeros(shape, dtype=g.dtype, device=g.device)
-        gw = g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
-        xin, padding = self._padded(module, x.to(g.dtype))
+        c = coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+        x, out = x.to(g.dtype), None
         dummy = torch.empty(shape, dtype=g.dtype, device=g.device)
-        return _conv_backward(module, xin, dummy, gw, padding, module.groups, want_input=False)
+        for s in self._parts(module, x, g, "sum"):
+            xs, gs = (x[s] * c[s], g[s]) if x.numel() < g.numel() else (x[s], g[s] * c[s])
+            xin, padding = self._padded(module, xs)
+            part = _conv_backward(module, xin, dummy, gs, padding, module.groups, want_input=False)
+            out = part if out is None else out.add_(part)
+        return out
 
     def _add_weighted_weight(self, module, x, g, coef, into):
         return False  # the clipped sum comes from :meth:`_weighted_weight`, then is added by the engine

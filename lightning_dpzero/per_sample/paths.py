@@ -41,6 +41,13 @@ REUSE_MEMORY_FACTOR = 2.0
 #: gradient): small convolution kernels and normalisation layers, never a GPT-width Linear
 DEFERRED_KEEP_FACTOR = 0.5
 
+#: a convolution's per-example gradients and norms are formed for part of the batch at a time, each part's
+#: temporaries (unfolded rows and Gram matrices, or the grouped kernel's copies of its inputs and its per-example
+#: weight gradients) within this fraction of the layer's input and output gradient: a k×k kernel's unfolded rows
+#: are k² times its input, and the grouped kernel's temporaries were measured at 2-4× its output, the largest
+#: tensors of a DP step of the benchmark CNN
+NORM_CHUNK_FACTOR = 0.5
+
 
 def use_ghost(T: int, d: int, p: int) -> bool:
     """For the norm alone: ghost when ``2T² < p·d`` (Bu et al. 2022, book-keeping layer-wise decision)."""
@@ -76,6 +83,13 @@ def rows_path(a: torch.Tensor, g: torch.Tensor) -> str:
 def fits_deferred(x, g, per_example_numel: int) -> bool:
     """May a site that does not complete its group keep ``B × per_example_numel`` values until it does?"""
     return x.shape[0] * per_example_numel <= DEFERRED_KEEP_FACTOR * (x.numel() + g.numel())
+
+
+def norm_chunk(x, g, per_example_numel: int) -> int:
+    """Examples per part of a norm-only computation whose temporaries hold ``per_example_numel`` values per
+    example: within :data:`NORM_CHUNK_FACTOR` of ``x`` and ``g`` together, at least one, at most the batch."""
+    B = x.shape[0]
+    return max(1, min(B, int(NORM_CHUNK_FACTOR * (x.numel() + g.numel())) // max(1, per_example_numel)))
 
 
 def may_keep(site, per_example_numel: int) -> bool:
