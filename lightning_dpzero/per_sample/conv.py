@@ -143,19 +143,21 @@ class ConvRule(LinearRule):
         per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": rows + 2 * G * p * d,
                "sum": rows + min(x.numel(), g.numel()) // max(1, B)}[work]
         k = norm_chunk(x, g, per)
-        return [slice(i, i + k) for i in range(0, B, k)] if B > k else [slice(None)]
+        if B <= k:
+            return [slice(None)]
+        k = -(-B // -(-B // k))  # the same number of parts, of even sizes (64 by 18: 4 parts of 16)
+        return [slice(i, i + k) for i in range(0, B, k)]
 
     def _instantiate(self, module, x, g):
-        """Per-example weight gradients ``(B, C_out, C_in/G, *k)`` fp32, a part of the batch at a time
-        (:meth:`_parts`): beside bounding the kernel's temporaries, parts that stay in cache were measured
-        faster here (4 to 8 examples of the benchmark CNN's 32: 1.6-2× on its two wider layers)."""
-        parts = self._parts(module, x, g, "instantiate")
-        if len(parts) == 1:
-            return self._instantiate_part(module, x, g)
-        out = torch.empty((x.shape[0], *param_shape(module.weight)), dtype=torch.float32, device=g.device)
-        for s in parts:
-            out[s] = self._instantiate_part(module, x[s], g[s])
-        return out
+        """Per-example weight gradients ``(B, C_out, C_in/G, *k)`` fp32 (:meth:`_instantiate_parts`, joined)."""
+        parts = self._instantiate_parts(module, x, g)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _instantiate_parts(self, module, x, g):
+        """The per-example weight gradients of each part of the batch (:meth:`_parts`): beside bounding the
+        kernel's temporaries, parts that stay in cache were measured faster here (4 to 8 examples of the
+        benchmark CNN's 32: 1.6-2× on its two wider layers)."""
+        return [self._instantiate_part(module, x[s], g[s]) for s in self._parts(module, x, g, "instantiate")]
 
     def _instantiate_part(self, module, x, g):
         """One grouped weight-gradient kernel call, the batch folded into the channels (B·G groups; Rochette et

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
 from .maths import (batch_rows, param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad,
-                    weighted_sum)
+                    weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
 
@@ -48,6 +49,11 @@ class LinearRule(LayerRule):
         a, gg = self._rows(module, x, g)
         return rows_per_example(a, gg).view(gg.shape[0], *param_shape(module.weight))
 
+    def _instantiate_parts(self, module, x, g) -> list:
+        """:meth:`_instantiate` as parts along the batch, in order (one part here; convolutions form several, and
+        keeping them as they are saves copying them into one tensor)."""
+        return [self._instantiate(module, x, g)]
+
     def _weight_norm_sq(self, module, x, g, path, grams=None):
         """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate;
         ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram)."""
@@ -74,9 +80,9 @@ class LinearRule(LayerRule):
             _, T, d, p = self._dims(module, x, g)
             path = weight_path(site, T, d, p, math.prod(param_shape(module.weight)))
             if path == "reuse":  # kept on the site for its clipped sum
-                per = self._instantiate(module, x, g)
-                w = per_example_sq(per)
-                site.kept["per_example"] = (per, pb)
+                parts = self._instantiate_parts(module, x, g)
+                w = torch.cat([per_example_sq(part) for part in parts]) if len(parts) > 1 else per_example_sq(parts[0])
+                site.kept["per_example"] = (parts, pb)
             else:
                 w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
         return [w, pb.pow(2).sum(1) if bias else None]
@@ -92,7 +98,8 @@ class LinearRule(LayerRule):
         w = b = None
         kept = site.kept.pop("per_example", None) if mask[0] else None
         if mask[0]:
-            w = weighted_sum(kept[0], coef).to(g.dtype) if kept is not None else self._weighted_weight(module, x, g, coef)
+            w = (weighted_sum_parts(kept[0], coef).to(g.dtype) if kept is not None
+                 else self._weighted_weight(module, x, g, coef))
         if len(mask) > 1 and mask[1]:
             pb = kept[1] if kept is not None and kept[1] is not None else self._bias_rows(module, g)
             b = weighted_sum(pb, coef).to(g.dtype)

@@ -114,3 +114,13 @@ def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
 def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``."""
     return coef.to(per.dtype).view(1, -1).mm(per.flatten(1)).view(per.shape[1:])
+
+
+def weighted_sum_parts(parts: list[torch.Tensor], coef: torch.Tensor) -> torch.Tensor:
+    """:func:`weighted_sum` of per-example tensors held as parts along the batch (in order; ``coef`` (B,) for
+    all of them), without joining them: one ``(b,)·(b, n)`` product per part, summed."""
+    out = None
+    for part, c in zip(parts, coef.split([part.shape[0] for part in parts])):
+        s = weighted_sum(part, c)
+        out = s if out is None else out.add_(s)
+    return out
