@@ -36,7 +36,7 @@ class Site:
     clipped sums of its groups are formed, then dropped (at the latest when the backward pass ends). Two
     calls, two engines or two threads never share one."""
 
-    __slots__ = ("hook", "x", "g", "scale", "completes", "path", "kept", "__weakref__")
+    __slots__ = ("hook", "x", "g", "dtype", "scale", "completes", "path", "kept", "__weakref__")
 
     def __init__(self, hook: "LayerHook", x: Any, g: Any):
         self.hook = hook
@@ -46,6 +46,9 @@ class Site:
         self.g = g
         """The gradient of the loss with respect to the layer's output, batch first (for a multi-input rule,
         what its ``backward_multi`` records)."""
+        self.dtype: Optional[torch.dtype] = getattr(g, "dtype", None)
+        """``g``'s dtype, the clipped sums' (``None`` for a multi-input rule's records); kept after
+        :meth:`release_rows`."""
         self.scale = 1.0
         """Set by the engine: ``g`` × ``scale`` is the gradient of each example's own loss."""
         self.completes = False
@@ -63,6 +66,11 @@ class Site:
     def module(self) -> nn.Module:
         """The layer (``hook.module``)."""
         return self.hook.module
+
+    def release_rows(self) -> None:
+        """Drop ``x`` and ``g`` (the engine calls it where the rule's :meth:`~LayerRule.releases_rows` says
+        ``kept`` forms every clipped sum of the site): a site waiting for its group no longer holds them."""
+        self.x = self.g = None
 
 
 class LayerRule:
@@ -153,6 +161,13 @@ class LayerRule:
         """Per parameter: the instantiated per-example gradients ``(B, *param.shape)`` fp32 (for parameters
         shared by several call sites, whose norm needs the sum of the sites' contributions)."""
         raise NotImplementedError
+
+    def releases_rows(self, site: Site) -> bool:
+        """Whether what this call kept on ``site`` (after :meth:`norm_sq`) forms every clipped sum it will be
+        asked for, without ``site.x`` or ``site.g``: the engine then drops them while the site waits for its
+        group (all-layer and group-wise book-keeping keep sites until the end of the backward pass), where the
+        site's parameters are in one group. Default: ``False``."""
+        return False
 
     def clipped_grads(self, site: Site, coef: torch.Tensor, mask: list[bool]) -> list[Optional[torch.Tensor]]:
         """Per parameter: ``Σ_i coef_i · g_i`` (``None`` where ``mask`` is False), in ``site.g``'s dtype."""

@@ -155,9 +155,8 @@ class PerSampleEngine:
             h.param_ids = [id(p) if p is not None and p.requires_grad else None for p in h.rule.params(h.module)]
             h.groups = sorted({self.group_of[i] for i in h.param_ids if i is not None})
             # the groups this site holds every parameter of: it can return their clipped sums through autograd
-            h.returnable = {k for k in h.groups if {id(p) for p in members[k]} <= set(h.param_ids)}
-        # A group is returned through autograd when every site touching it holds all of its parameters; in two
-        # passes every site returns its sums through autograd in the second.
+            h.returnable = {k for k in h.groups if self.group_ids[k] <= set(h.param_ids)}
+        # returned through autograd where every site of a group holds all its parameters (two passes: always)
         spans = any(len(h.returnable) < len(h.groups) for h in self.hooks)
         self.two_pass = spans and self.clipping_mode == "two-pass"
         self.needs_deferred_writes = spans and not self.two_pass
@@ -315,6 +314,8 @@ class PerSampleEngine:
                     self._add(self._shared_sum, i, pe * scale)
         if site.path is not None:
             self._paths[hook.name] = site.path
+        if len(hook.groups) == 1 and not any(shared) and hook.rule.releases_rows(site):
+            site.release_rows()  # what the rule kept forms the site's sums: x and g need not wait for the group
         out: dict[int, torch.Tensor] = {}
         norms_only = self.phase == "norms"
         for k in hook.groups:

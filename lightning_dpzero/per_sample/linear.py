@@ -93,16 +93,21 @@ class LinearRule(LayerRule):
         b = self._bias_rows(module, g) if len(mask) > 1 and mask[1] else None
         return [w, b]
 
+    def releases_rows(self, site):
+        kept = site.kept.get("per_example")
+        bias = getattr(site.module, "bias", None)
+        return kept is not None and (kept[1] is not None or bias is None or not bias.requires_grad)
+
     def clipped_grads(self, site, coef, mask):
         module, x, g = site.module, site.x, site.g
         w = b = None
         kept = site.kept.pop("per_example", None) if mask[0] else None
         if mask[0]:
-            w = (weighted_sum_parts(kept[0], coef).to(g.dtype) if kept is not None
+            w = (weighted_sum_parts(kept[0], coef).to(site.dtype) if kept is not None
                  else self._weighted_weight(module, x, g, coef))
         if len(mask) > 1 and mask[1]:
             pb = kept[1] if kept is not None and kept[1] is not None else self._bias_rows(module, g)
-            b = weighted_sum(pb, coef).to(g.dtype)
+            b = weighted_sum(pb, coef).to(site.dtype)
         return [w, b]
 
     def add_clipped_grads(self, site, coef, mask, into):

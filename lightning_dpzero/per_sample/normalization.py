@@ -83,13 +83,16 @@ class _AffineNormRule(LayerRule):
         params = self.params(site.module)
         return [t.view(t.shape[0], *param_shape(p)) if m else None for t, p, m in zip(per, params, mask)]
 
+    def releases_rows(self, site):
+        return "per_example" in site.kept
+
     def clipped_grads(self, site, coef, mask):
         per = site.kept.pop("per_example", None)
         if per is None:
             per = self._per_example(site)
         params = self.params(site.module)
         c = coef.view(1, -1)
-        return [c.mm(t).view(param_shape(p)).to(site.g.dtype) if m else None for t, p, m in zip(per, params, mask)]
+        return [c.mm(t).view(param_shape(p)).to(site.dtype) if m else None for t, p, m in zip(per, params, mask)]
 
 
 def _same_dtype(x, g, params) -> bool:

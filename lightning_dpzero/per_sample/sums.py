@@ -28,7 +28,7 @@ def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor,
     Linear, no temporary of the weight's size), and that parameter is left out of the result."""
     hook, c = site.hook, coef * (site.scale * engine.emit_scale)
     mask = [i in ids for i in hook.param_ids]
-    dtype = getattr(site.g, "dtype", None)  # a multi-input rule's records are its own
+    dtype = site.dtype  # None: a multi-input rule's records are its own
     if by_id is None or dtype is None:
         grads = hook.rule.clipped_grads(site, c, mask)
     else:
