@@ -611,3 +611,21 @@ def test_layers_reading_one_input_share_its_gram(clip):
         return ops.count("bmm")
 
     assert bmm_calls(share=True) == bmm_calls(share=False) - 3
+
+
+@pytest.mark.parametrize("d,p", [(8, 64), (64, 8), (16, 16)])
+def test_per_example_rows_take_the_faster_layout_and_every_reader_accepts_it(d, p):
+    """``rows_per_example`` forms ``(B, d, p)`` where d < p (MKL's bmm is several times slower with the thin
+    dimension last: a LoRA up-projection) and returns its transposed view; norms and clipped sums read it as they
+    read the contiguous ``(B, p, d)``, without a copy."""
+    from lightning_dpzero.per_sample.maths import per_example_sq, rows_per_example, weighted_sum, weighted_sum_parts
+
+    gen = torch.Generator().manual_seed(0)
+    a, g, coef = torch.randn(5, 7, d, generator=gen), torch.randn(5, 7, p, generator=gen), torch.rand(5, generator=gen)
+    per = rows_per_example(a, g)
+    ref = torch.einsum("btp,btd->bpd", g.double(), a.double())
+    torch.testing.assert_close(per.double(), ref)
+    assert per.is_contiguous() == (d >= p)
+    torch.testing.assert_close(per_example_sq(per).double(), ref.pow(2).sum((1, 2)))
+    torch.testing.assert_close(weighted_sum(per, coef).double(), torch.einsum("b,bpd->pd", coef.double(), ref))
+    torch.testing.assert_close(weighted_sum_parts(list(per.split(2)), coef), weighted_sum(per, coef))

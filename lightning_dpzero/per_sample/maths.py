@@ -26,8 +26,15 @@ def param_shape(p: torch.Tensor) -> torch.Size:
 
 
 def rows_per_example(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example ``G_i = Σ_t g_{i,t} a_{i,t}ᵀ`` for ``a`` (B,T,d), ``g`` (B,T,p): fp32 ``(B, p, d)``, one bmm."""
-    return torch.bmm(g.float().transpose(1, 2), a.float())
+    """Per-example ``G_i = Σ_t g_{i,t} a_{i,t}ᵀ`` for ``a`` (B,T,d), ``g`` (B,T,p): fp32 ``(B, p, d)``, one bmm.
+
+    Where d < p the bmm forms ``(B, d, p)`` and the result is its transposed view: MKL's bmm was measured 1.2-5×
+    slower with the thinner dimension last (a LoRA up-projection's ``(B, 256, 8)``: 327 µs against 91 µs).
+    :func:`per_example_sq` and :func:`weighted_sum` read either layout without a copy."""
+    a, g = a.float(), g.float()
+    if a.shape[-1] < g.shape[-1]:
+        return torch.bmm(a.transpose(1, 2), g).transpose(1, 2)
+    return torch.bmm(g.transpose(1, 2), a)
 
 
 def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str, grams: Optional["InputGrams"] = None) -> torch.Tensor:
@@ -92,8 +99,10 @@ class InputGrams:
 
 
 def per_example_sq(t: torch.Tensor) -> torch.Tensor:
-    """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t``."""
-    return torch.linalg.vector_norm(t.flatten(1).float(), dim=1).pow(2)
+    """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t`` (nor
+    a contiguous one)."""
+    t = t.float()
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).pow(2) if t.dim() > 1 else t.pow(2)
 
 
 def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
@@ -112,7 +121,10 @@ def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
 
 
 def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``."""
+    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``; for
+    the transposed ``(B, p, d)`` view of :func:`rows_per_example`, the transposed sum of its contiguous form."""
+    if per.dim() == 3 and not per.is_contiguous() and per.transpose(1, 2).is_contiguous():
+        return weighted_sum(per.transpose(1, 2), coef).t()
     return coef.to(per.dtype).view(1, -1).mm(per.flatten(1)).view(per.shape[1:])
 
 
