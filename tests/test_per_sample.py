@@ -235,6 +235,17 @@ def test_group_thresholds_clip_each_group_to_its_own_bound():
                         group_max_grad_norms=[0.05, 0.05]).attach()
 
 
+def cross_entropy_step(model, engine, x, y):
+    """One micro-batch of cross-entropy on ``(x, y)`` through ``engine`` (``None``: plain training)."""
+    def step():
+        model.zero_grad(set_to_none=False)
+        if engine is None:
+            return nn.functional.cross_entropy(model(x), y).backward()
+        with engine.micro_batch(batch_size=x.shape[0]):
+            backward(engine, nn.functional.cross_entropy(model(x), y))
+    return step
+
+
 class MeanOverTime(nn.Module):
     def forward(self, x):
         return x.mean(1)
@@ -266,12 +277,7 @@ def test_book_keeping_drops_a_waiting_site_s_rows_where_its_kept_gradients_form_
         model = norm_stack()
         engine = None if engine_kind is None else PerSampleEngine(model, 0.1, clipping, groups=groups).attach()
 
-        def step():
-            model.zero_grad(set_to_none=False)
-            if engine is None:
-                return nn.functional.cross_entropy(model(x), y).backward()
-            with engine.micro_batch(batch_size=16):
-                backward(engine, nn.functional.cross_entropy(model(x), y))
+        step = cross_entropy_step(model, engine, x, y)
 
         from lightning_dpzero.per_sample.normalization import _AffineNormRule
 
@@ -383,12 +389,7 @@ def test_convolutions_form_per_example_work_a_part_of_the_batch_at_a_time(clip):
         model = small_cnn()
         engine = None if clipping is None else PerSampleEngine(model, 0.1, clipping, clipping_mode=mode).attach()
 
-        def step():
-            model.zero_grad(set_to_none=False)
-            if engine is None:
-                return nn.functional.cross_entropy(model(x), y).backward()
-            with engine.micro_batch(batch_size=32):
-                backward(engine, nn.functional.cross_entropy(model(x), y))
+        step = cross_entropy_step(model, engine, x, y)
 
         with mock.patch.object(paths_mod, "NORM_CHUNK_FACTOR", 1e9 if whole else paths_mod.NORM_CHUNK_FACTOR):
             step()  # p.grad exists from here on in every case
