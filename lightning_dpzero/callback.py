@@ -29,6 +29,9 @@ from .privacy_plan import DEFAULT_DELTA, AccountingSettings
 
 __all__ = ["PrivacyAccountantCallback", "PrivacyBudgetExceeded"]
 
+#: the most steps one budget answer covers (with logging off, the steps between two decision points)
+MAX_SPAN = 1000
+
 
 class PrivacyAccountantCallback(Callback):
     """Privacy accounting for a :class:`DPDeepSpeedStrategy` run.
@@ -49,23 +52,29 @@ class PrivacyAccountantCallback(Callback):
             ``min_steps``/``min_epochs`` prevent the stop, the step is refused by raising as well.
         log_second_accountant: also log ε by the other accountant (``epsilon_rdp`` when ``accountant="pld"``,
             ``epsilon_pld`` when ``accountant="rdp"``); the budget is always judged by ``accountant``.
-        accounting_worker: where rank 0 computes the per-step ε and budget answers, a few steps ahead of the
-            training loop: ``"process"`` (default; a child process, so the step does not wait for dp-accounting),
-            ``"thread"`` (a thread of the training process), or ``"none"`` (inside the step). The values logged
-            and the budget decisions are exactly the same in all three; a step whose answer is not ready waits
-            for it (:mod:`lightning_dpzero.accounting.background`).
+        accounting_worker: where rank 0 computes ε and the budget's answers, ahead of the training loop:
+            ``"process"`` (default; a child process, so the step does not wait for dp-accounting), ``"thread"``
+            (a thread of the training process), or ``"none"`` (inside the step). The values logged and the budget
+            decisions are exactly the same in all three; a step whose answer is not ready waits for it
+            (:mod:`lightning_dpzero.accounting.background`).
 
     After the optimizer steps whose metrics Lightning writes (every ``Trainer(log_every_n_steps=...)``, as
     Lightning's ``LearningRateMonitor`` does, and always the first and the last step of a fit) it logs
     ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and ``dp_steps`` (plus ``clip_fraction`` and
     ``mean_grad_norm`` over all ranks' examples of that step) with ``self.log``, so any Lightning logger records
     them (``log_every_n_steps=1``: a row per step; between logged steps ``trainer.callback_metrics`` hold the
-    last logged values, and ``dp_steps`` says which step they are of); ε, δ, σ, q and the step count as float64, so a logger
-    shows δ = 1e-05, not its float32 neighbour. Every rank computes and logs the same values (no
+    last logged values, and ``dp_steps`` says which step they are of); ε, δ, σ, q and the step count as
+    float64, so a logger shows δ = 1e-05, not its float32 neighbour. Every rank computes and logs the same values (no
     ``sync_dist``, so no collective per metric; every rank's ``trainer.callback_metrics`` agree, so a
     ``ModelCheckpoint``/``EarlyStopping`` monitoring ``epsilon`` decides alike everywhere). The logged ε is the
     tracker's upper bound (at most ~2% above the exact value); :meth:`epsilon` gives the exact one. ε is
     0 before the first step, nothing is logged during the sanity check, and with σ = 0 it is ``inf``.
+
+    Between logged steps the callback does no accounting and no collective: at each logged step rank 0 also
+    answers how many of the steps up to the next logged one fit the budget (one evaluation at that step count
+    covers them, ε being non-decreasing in the steps; near the budget's end, the exact count), and every rank
+    agrees on it in the all-reduce that sums the clipping statistics. A step that would exceed the budget is
+    never taken, whatever ``log_every_n_steps`` is.
     Its state (saved in every checkpoint) is the ledger.
 
     Rank 0 prints one line with the privacy plan when training starts (σ, q, expected batch, planned steps,
@@ -111,7 +120,8 @@ class PrivacyAccountantCallback(Callback):
         self._mechanism: Optional[DPMechanism] = None
         self._ahead: Optional[AccountingAhead] = None  # rank 0, while training
         self._sigma_given = False
-        self._next_step_allowed = True   # agreed by all ranks at the last accumulation boundary
+        # the ledger's step count up to which every rank agreed (at the last decision) that steps fit the budget
+        self._allowed_through = math.inf
         self.budget_exhausted = False    # True once the budget stopped (or refused) a step
 
     target_epsilon = property(lambda self: self.settings.target_epsilon, doc="The ε budget (None: none).")
@@ -184,16 +194,21 @@ class PrivacyAccountantCallback(Callback):
                       and trainer.current_epoch + 1 >= loop.max_epochs)
         return not (last_epoch and loop.epoch_loop.batch_progress.is_last_batch)
 
-    def _answers(self, trainer):
-        """Rank 0's :class:`StepAnswers` for the ledger as it is (ε to log, the budget's answer for the next
-        step); None on the other ranks, which get them through the all-reduce of :meth:`_decide`."""
+    def _answers(self, trainer, span: int = 1):
+        """Rank 0's :class:`StepAnswers` for the ledger as it is (ε to log, how many of the next ``span`` steps
+        fit the budget); None on the other ranks, which get them through the all-reduce of :meth:`_decide`."""
         if trainer.global_rank != 0:
             return None
         if self._ahead is None:
             self._start_accounting()
         plan = self._plan
         return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
-                                   plan.micro_batch_bound)
+                                   plan.micro_batch_bound, span=span, next_span=_log_interval(trainer))
+
+    @property
+    def _next_step_allowed(self) -> bool:
+        ledger = self.ledger
+        return ledger is None or ledger.steps < self._allowed_through
 
     def _start_accounting(self) -> None:
         self._ahead = AccountingAhead(self._answerer(), self.accounting_worker)
@@ -203,22 +218,22 @@ class PrivacyAccountantCallback(Callback):
             self._ahead.close()
             self._ahead = None
 
-    def _decide(self, trainer, stats: Optional[list[float]] = None, allows: Optional[bool] = None
+    def _decide(self, trainer, stats: Optional[list[float]] = None, allowed: Optional[float] = None
                 ) -> Optional[list[float]]:
-        """At an accumulation boundary (or before the first step): agree over ranks whether the next step
-        fits (``allows``: rank 0's answer), and reduce this step's clipping statistics in the same collective.
-        Returns the summed stats."""
+        """At a decision point (before the first step, after a logged step, at the end of the steps agreed to
+        fit): agree over ranks how many more steps fit (``allowed``: rank 0's count), and reduce this step's
+        clipping statistics in the same collective. Returns the summed stats."""
         local = [] if stats is None else list(stats)
         # every rank holds the same ledger: rank 0 alone evaluates the budget (dp-accounting costs milliseconds
         # per new step count) and the all-reduce below hands its answer to the others
-        refuse = 1.0 if trainer.global_rank == 0 and allows is False else 0.0
+        count = float(allowed) if trainer.global_rank == 0 and allowed is not None else 0.0
         if trainer.world_size > 1:
-            # every rank reaches the same boundaries; one small all-reduce keeps ranks from ever disagreeing
-            t = torch.tensor(local + [refuse], dtype=torch.float64, device=trainer.strategy.root_device)
+            # every rank reaches the same decision points (they follow from the step counters alone)
+            t = torch.tensor(local + [count], dtype=torch.float64, device=trainer.strategy.root_device)
             t = sum_over_ranks(trainer.strategy, t)
             values = t.cpu().tolist()
-            local, refuse = values[:-1], values[-1]
-        self._next_step_allowed = refuse == 0
+            local, count = values[:-1], values[-1]
+        self._allowed_through = (self.ledger.steps if self.ledger is not None else 0) + count
         if not self._next_step_allowed and self.on_budget_exhausted == "stop" and self._run_would_continue(trainer):
             if not self.budget_exhausted:
                 rank_zero_info(self._exhausted_message(trainer) + " Stopping training (on_budget_exhausted='stop').")
@@ -230,8 +245,9 @@ class PrivacyAccountantCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._logged_steps = self.ledger.steps if self.ledger is not None else -1
         self._first_log_done = False
+        # the first step is always logged, so it is the next decision point: a span of one step
         answers = self._answers(trainer) if self._plan is not None else None
-        self._decide(trainer, allows=None if answers is None else answers.allows_next_step)
+        self._decide(trainer, allowed=None if answers is None else answers.allowed_steps)
         if self._plan is not None:
             rank_zero_info(self._start_line(trainer))
 
@@ -257,18 +273,23 @@ class PrivacyAccountantCallback(Callback):
             return
         self._logged_steps = ledger.steps
         stats = self._mechanism.take_stats()
+        logs = self._logs_this_step(trainer)
+        if not logs and self._next_step_allowed:
+            # nothing to log, and the budget was agreed to allow the next step: no ε, no collective (a step of a
+            # small model is otherwise slowed by both)
+            return
         # ε (the tracker's bound; with a budget, never above the target while within it) is computed on rank 0
         # only and reaches the other ranks through the statistics' all-reduce (0 elsewhere: the sum is rank 0's)
         eps = [0.0] * (1 + bool(self.log_second_accountant))
-        answers = self._answers(trainer)
+        answers = self._answers(trainer, _steps_to_next_log(trainer))
         if answers is not None:
             eps[0] = answers.epsilon
             if self.log_second_accountant:
                 eps[1] = answers.epsilon_second
         local = [float(stats.examples), float(stats.clipped), stats.norm_sum]
         examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps,
-                                                         None if answers is None else answers.allows_next_step)
-        if not self._logs_this_step(trainer):
+                                                         None if answers is None else answers.allowed_steps)
+        if not (logs or trainer.should_stop):  # (the budget's stop is logged: the last step of the fit)
             return
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
@@ -383,6 +404,20 @@ def _checkpoint_with(trainer, ledger: PrivacyLedger) -> Optional[tuple[str, int]
             if saved.run_id == ledger.run_id and (best is None or json_path.stat().st_mtime > best[0]):
                 best = (json_path.stat().st_mtime, path, saved.steps)
     return None if best is None else best[1:]
+
+
+def _log_interval(trainer) -> int:
+    """Steps between two logged steps: ``Trainer(log_every_n_steps=...)``, ``MAX_SPAN`` when it is 0 (never)."""
+    every = int(getattr(trainer, "log_every_n_steps", 1) or 0)
+    return min(every, MAX_SPAN) if every > 0 else MAX_SPAN
+
+
+def _steps_to_next_log(trainer) -> int:
+    """Optimizer steps from the one ending now to the next whose metrics Lightning writes (the step counter of
+    ``trainer._logger_connector.should_update_logs``), at least 1; the span the budget is asked to cover."""
+    every = _log_interval(trainer)
+    done = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", 0)
+    return every - (int(done) + 1) % every
 
 
 def _step_value(metric, total: float, examples: float) -> float:

@@ -165,3 +165,53 @@ def test_metrics_are_logged_at_the_trainers_logging_steps_and_the_first_and_last
     assert sorted(sparse) == [1, 4, 8, 10]
     assert sparse == {n: every_step[n] for n in (1, 4, 8, 10)}
     assert last_sparse == last_all == every_step[10]
+
+
+@pytest.mark.parametrize("worker", ["process", "none"])
+def test_between_logged_steps_there_is_no_accounting_and_no_collective(worker, monkeypatch):
+    """The budget is asked at the logged steps for the steps up to the next one (one evaluation covers them) and
+    at the end of the stretch it allowed, so a run logging every 4th step decides at 5 points, not at each of its
+    9 steps, and stops where a run deciding at every step stops, with the same ε at the steps both log."""
+    decided = []
+    real = PrivacyAccountantCallback._decide
+
+    def counting(self, trainer, *args, **kwargs):
+        decided.append(self.ledger.steps)
+        return real(self, trainer, *args, **kwargs)
+
+    monkeypatch.setattr(PrivacyAccountantCallback, "_decide", counting)
+
+    def run(every):
+        decided.clear()
+        model, cb = Net(), PrivacyAccountantCallback(target_epsilon=TARGET, accounting_worker=worker)
+        trainer = L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=SIGMA), accelerator="cpu",
+                            devices=1, max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                            accumulate_grad_batches=2, log_every_n_steps=every)
+        trainer.fit(model)
+        assert trainer.global_step == cb.ledger.steps == 9 and cb.budget_exhausted
+        return model.seen, list(decided)
+
+    every_step, decided_every = run(1)
+    sparse, decided_sparse = run(4)
+    assert decided_every == list(range(10))  # before the first step, then after each
+    # before the first step; after the first (always logged), the 4th and the 8th; at the 9th, where the stretch
+    # allowed at the 8th (the budget's exact end, found there) runs out and the budget stops the run
+    assert decided_sparse == [0, 1, 4, 8, 9]
+    assert sorted(sparse) == [1, 4, 8, 9]
+    assert sparse == {n: every_step[n] for n in (1, 4, 8, 9)}
+
+
+def test_one_budget_answer_covers_a_span_and_ends_at_the_exact_count():
+    """``answer(view, plan, span)``: ``span`` while the ledger ``span`` steps on is within the budget, then the
+    exact number of steps left (9 fit in all), never more than ``span``; ``inf`` without a budget."""
+    plan = (Q, SIGMA, "poisson")
+    for span in (1, 3, 50):
+        tracker = EpsilonTracker()
+        answerer = Answerer(tracker, BudgetGuard(TARGET, tracker), None)
+        for n in range(12):
+            ledger = _ledger_of(Q, SIGMA, n) if n else PrivacyLedger(1e-5, 1000)
+            got = answerer.answer(ledger_view(ledger), plan, span).allowed_steps
+            assert got == min(span, max(9 - n, 0)), (span, n)
+    assert Answerer(EpsilonTracker(), None, None).answer(ledger_view(_ledger_of(Q, SIGMA, 3)), plan, 5) \
+        .allowed_steps == float("inf")

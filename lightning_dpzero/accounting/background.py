@@ -1,10 +1,12 @@
 """The accountant callback's per-step questions, answered ahead of the steps by a worker.
 
-After every optimizer step the callback needs ε of the ledger (the tracker's upper bound, to log) and the budget's
-answer for the next step. Early in a run each answer is a new dp-accounting evaluation (a PLD composition,
-milliseconds); computed inside the step they delay it (docs/design.md, *Accounting and the ledger*).
-:class:`AccountingAhead` has a worker compute them for the next few step counts while the steps run: every step
-of a run charges the plan's (q, σ, sampler), so the ledger after k more steps is known in advance.
+At the steps where it decides (the steps whose metrics are logged, and the end of the stretch of steps the
+budget was last known to allow) the callback needs ε of the ledger (the tracker's upper bound, to log) and how
+many more steps of the plan the budget allows, up to the next such step (the *span*). Early in a run each answer
+is a new dp-accounting evaluation (a PLD composition, milliseconds); computed inside the step they delay it
+(docs/design.md, *Accounting and the ledger*). :class:`AccountingAhead` has a worker compute them for the next few
+decision points while the steps run: every step of a run charges the plan's (q, σ, sampler), so the ledger after
+k more steps is known in advance.
 
 * The worker is a child process by default (``"process"``: it holds no lock the training loop needs, so the
   step does not slow down while it computes), or a thread (``"thread"``: shares the interpreter lock with the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,7 +105,13 @@ class StepAnswers(NamedTuple):
 
     epsilon: float                   #: the value to log (0.0 for an empty ledger)
     epsilon_second: Optional[float]  #: the other accountant's, when asked for
-    allows_next_step: bool           #: the budget's exact answer for one more step of the plan
+    allowed_steps: float             #: how many more steps of the plan fit the budget, counted up to the span
+    #: (0: not the next one; ``inf`` without a budget)
+
+    @property
+    def allows_next_step(self) -> bool:
+        """The budget's exact answer for one more step of the plan."""
+        return self.allowed_steps > 0
 
 
 class Answerer:
@@ -130,17 +139,27 @@ class Answerer:
         target = settings["target_epsilon"]
         return cls(tracker, None if target is None else BudgetGuard(target, tracker), settings["second"])
 
-    def answer(self, view: LedgerView, plan: tuple) -> StepAnswers:
-        """The budget's answer for one more step of ``plan`` = (q, σ, sampler), then ε of ``view``. Asking the
-        budget first makes ε independent of which answers were computed before: when the tracker's bound is
-        over the target the guard has then found the exact largest step count that fits, and the logged ε is
-        tightened to the exact ε there (:meth:`BudgetGuard.epsilon_upper_bound`), as it always was in order."""
-        allows = True if self.guard is None else self.guard.allows_next_step(view, *plan_args(plan))
+    def answer(self, view: LedgerView, plan: tuple, span: int = 1) -> StepAnswers:
+        """How many of the next ``span`` steps of ``plan`` = (q, σ, sampler) fit the budget, then ε of ``view``.
+        Asking the budget first makes ε independent of which answers were computed before: when the tracker's
+        bound is over the target the guard has then found the exact largest step count that fits, and the logged
+        ε is tightened to the exact ε there (:meth:`BudgetGuard.epsilon_upper_bound`), as it always was in
+        order."""
+        allowed = math.inf if self.guard is None else self._allowed(view, plan, int(span))
         if view.steps == 0:
-            return StepAnswers(0.0, 0.0 if self.second else None, allows)
+            return StepAnswers(0.0, 0.0 if self.second else None, allowed)
         eps = self.guard.epsilon_upper_bound(view) if self.guard is not None else self.tracker.epsilon(view)
         eps2 = self.tracker.epsilon(view, accountant=self.second) if self.second else None
-        return StepAnswers(eps, eps2, allows)
+        return StepAnswers(eps, eps2, allowed)
+
+    def _allowed(self, view: LedgerView, plan: tuple, span: int) -> int:
+        """``span`` when the ledger after ``span`` more steps is within the budget (ε is non-decreasing in the
+        steps, so every step before fits as well: one evaluation covers the span), else the exact count that
+        fits (:meth:`BudgetGuard.steps_within_budget`, found once per plan), at most ``span``."""
+        args = plan_args(plan)
+        if self.guard.allows_next_step(view.after(span - 1, *plan) if span > 1 else view, *args):
+            return span
+        return min(span, self.guard.steps_within_budget(view, *args))
 
     def epsilon(self, view: LedgerView, exact: bool, accountant: Optional[str]) -> float:
         return self.tracker.epsilon(view, exact=exact, accountant=accountant) if view.steps else 0.0
@@ -276,16 +295,17 @@ def _serve(req_fd: int, res_fd: int) -> None:
 
 
 class AccountingAhead:
-    """Answers :class:`StepAnswers` for a growing ledger, ``lookahead`` step counts ahead, on a worker.
+    """Answers :class:`StepAnswers` for a growing ledger, ``lookahead`` decision points ahead, on a worker.
 
     Args:
         answerer: the computations (the callback's tracker and guard); a ``"process"`` worker gets a copy of it
             and this one computes in this process if the child fails.
         worker: ``"process"`` (default), ``"thread"`` or ``"none"`` (see the module).
-        lookahead: how many step counts ahead of the ledger to queue (default 4).
+        lookahead: how many decision points ahead of the ledger to queue (default 4).
 
-    Call :meth:`answers` with the live ledger and the plan's (q, σ, sampler) after each step, :meth:`epsilon` and
-    :meth:`epsilon_after_next_step` for other questions, and :meth:`close` at the end of training.
+    Call :meth:`answers` with the live ledger and the plan's (q, σ, sampler) at each decision point,
+    :meth:`epsilon` and :meth:`epsilon_after_next_step` for other questions, and :meth:`close` at the end of
+    training.
     """
 
     def __init__(self, answerer: Answerer, worker: AccountingWorker = "process", lookahead: int = 4):
@@ -333,25 +353,29 @@ class AccountingAhead:
             return getattr(self.answerer, method)(*args)
 
     def answers(self, ledger, sample_rate: float, noise_multiplier: float, sampler: str,
-                bound: Optional[MicroBatchBound] = None) -> StepAnswers:
-        """The answers for ``ledger`` as it is now (waiting for them if they are not ready), with the next
-        ``lookahead`` step counts of the plan (q, σ, sampler, bound) queued behind them."""
+                bound: Optional[MicroBatchBound] = None, span: int = 1, next_span: Optional[int] = None
+                ) -> StepAnswers:
+        """The answers for ``ledger`` as it is now and the next ``span`` steps of the plan (q, σ, sampler,
+        bound), waiting for them if they are not ready; queued behind them, those of the next ``lookahead``
+        decision points, ``span`` steps from now and then every ``next_span`` (default ``span``) steps, each
+        asked for ``next_span`` steps."""
         plan = plan_tuple(sample_rate, noise_multiplier, sampler, bound)
-        view = ledger_view(ledger)
-        future = self._pending.pop((view.key, plan), None)
+        view, span = ledger_view(ledger), int(span)
+        future = self._pending.pop((view.key, plan, span), None)
         if future is None:
-            future = self._submit("answer", view, plan)
+            future = self._submit("answer", view, plan, span)
         if not future.done():
             self.waited += 1
-        result = self._result(future, "answer", view, plan)
+        result = self._result(future, "answer", view, plan, span)
         if self._ahead():  # (a child still starting gets no questions: they are answered here meanwhile)
-            ahead = [view.after(j, *plan) for j in range(1, self.lookahead + 1)]
-            keys = {(v.key, plan) for v in ahead}
+            every = int(next_span or span)
+            ahead = [view.after(span + j * every, *plan) for j in range(self.lookahead)]
+            keys = {(v.key, plan, every) for v in ahead}
             for stale in [k for k in self._pending if k not in keys]:  # queued for a ledger that did not come
                 self._pending.pop(stale).cancel()
             for v in ahead:
-                if (v.key, plan) not in self._pending:
-                    self._pending[(v.key, plan)] = self._submit("answer", v, plan)
+                if (v.key, plan, every) not in self._pending:
+                    self._pending[(v.key, plan, every)] = self._submit("answer", v, plan, every)
         return result
 
     def epsilon(self, ledger, exact: bool = True, accountant: Optional[str] = None) -> float:
