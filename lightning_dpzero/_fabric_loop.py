@@ -6,7 +6,8 @@ one Poisson draw per optimizer step, one forward and one backward per draw. :cla
 calls and refuses, before anything of the step is applied, a training forward whose batch was not the one
 drawn from the private loader since the last step, a second forward or backward within a step, a step without
 backward, and a step beyond the privacy budget. After each step one all-reduce agrees on the budget (rank 0
-decides) and sums the clipping statistics.
+decides) and sums the clipping statistics; rank 0's answers come from an :class:`~lightning_dpzero.accounting.
+background.AccountingAhead` worker that computed them while the step ran, as for the Trainer's callback.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ._collectives import sum_over_ranks
+from ._options import AccountingWorker
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
+from .accounting.background import AccountingAhead, Answerer
 
 _LOOP = ("The loop of a DP Fabric run is, per optimizer step: draw one batch from the loader that "
          "fabric.setup_dataloaders returned, one training forward of the model, fabric.backward(loss), "
@@ -43,8 +46,10 @@ class FabricSteps:
     """The state of the step being built: ``ready`` (a batch may be drawn and forwarded), ``forward`` (the
     training forward ran; backward next), ``backward`` (``optimizer.step()`` next)."""
 
-    def __init__(self, mechanism, target_epsilon: Optional[float]) -> None:
+    def __init__(self, mechanism, target_epsilon: Optional[float], accounting_worker: AccountingWorker = "process"
+                 ) -> None:
         self.mechanism = mechanism
+        self.accounting_worker = accounting_worker
         self.target_epsilon = target_epsilon
         self.phase = "ready"
         self.draws = 0
@@ -55,6 +60,27 @@ class FabricSteps:
         self.guard = BudgetGuard(target_epsilon, self.tracker) if target_epsilon is not None else None
         self.next_step_allowed = True
         self.metrics: dict[str, float] = {}
+        self._ahead: Optional[AccountingAhead] = None  # rank 0, from the first decision until teardown
+
+    def start_accounting(self) -> None:
+        """Start rank 0's accounting worker (if it is not running)."""
+        if self._ahead is None:
+            self._ahead = AccountingAhead(Answerer(self.tracker, self.guard, None), self.accounting_worker)
+
+    def close(self) -> None:
+        """Stop the accounting worker (it is started again at the next decision)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+
+    def epsilon(self, exact: bool = True) -> float:
+        """ε of the ledger (exact by default), asked of the worker while it holds the tracker."""
+        ledger = self.mechanism.ledger
+        if ledger is None or ledger.steps == 0:
+            return 0.0
+        if self._ahead is not None:
+            return self._ahead.epsilon(ledger, exact)
+        return self.tracker.epsilon(ledger, exact=exact)
 
     # ------------------------------------------------------------------ the calls of the user's loop
     def drawn(self, batch: Any) -> None:
@@ -112,8 +138,9 @@ class FabricSteps:
     # ------------------------------------------------------------------ budget and metrics
     def exhausted_message(self) -> str:
         ledger, plan = self.mechanism.ledger, self.mechanism.plan
-        after = self.guard.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier,
-                                                   plan.sampler_kind, plan.micro_batch_bound)
+        ask = self._ahead if self._ahead is not None else self.guard
+        after = ask.epsilon_after_next_step(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
+                                            plan.micro_batch_bound)
         return (f"Privacy budget exhausted: after {ledger.steps} optimizer steps one more step (q = "
                 f"{plan.sample_rate:.6g}, σ = {plan.noise_multiplier:.6g}) would make ε = {after:.6g} > "
                 f"target_epsilon = {self.target_epsilon:g} (δ = {ledger.delta:g}).")
@@ -125,14 +152,12 @@ class FabricSteps:
         ledger, plan = mechanism.ledger, mechanism.plan
         if ledger is None or plan is None:
             return
-        rank0 = collectives.global_rank == 0
         refuse = eps = 0.0
-        if rank0:
-            refuse = float(self.guard is not None and not self.guard.allows_next_step(
-                ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind, plan.micro_batch_bound))
-            eps = 0.0 if ledger.steps == 0 else (
-                self.guard.epsilon_upper_bound(ledger) if self.guard is not None
-                else self.tracker.epsilon(ledger, exact=False))
+        if collectives.global_rank == 0:  # every rank holds the same ledger: rank 0 answers for all
+            self.start_accounting()
+            answers = self._ahead.answers(ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
+                                          plan.micro_batch_bound)
+            refuse, eps = float(not answers.allows_next_step), answers.epsilon
         local = [float(v) for v in (stats or (0, 0, 0.0))] + [refuse, eps]
         values = torch.tensor(local, dtype=torch.float64, device=device)
         if collectives.world_size > 1:

@@ -32,7 +32,7 @@ from ._fabric_loop import FabricSteps, announce_draws
 from ._launch import FabricDeepSpeedLaunchMixin
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
-from ._options import Accountant, Clipping, ClippingFn, ClippingMode, LossReduction, check_option
+from ._options import Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
 from .per_sample.layout import reindex_batch
@@ -60,6 +60,11 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         accountant: ``"pld"`` (default) or ``"rdp"``.
         max_steps: the optimizer steps the loop will run (plans σ); or
         max_epochs: the passes over the training loader it will run (steps = epochs × len(loader)).
+        accounting_worker: where rank 0 computes each step's ε and budget answer, ahead of the loop:
+            ``"process"`` (default; a child process, so the step does not wait for dp-accounting), ``"thread"``, or
+            ``"none"`` (inside ``optimizer.step()``); the values and decisions are the same in all three
+            (:mod:`lightning_dpzero.accounting.background`). The worker stops at ``strategy.teardown()`` (and with
+            the process).
 
     ``Fabric(strategy="dp_deepspeed_stage_3")`` gives the defaults (``noise_multiplier=None``, no target): set
     them with :meth:`configure` before ``fabric.setup_dataloaders``.
@@ -88,7 +93,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                  max_micro_batch_size: Optional[int] = None,
                  target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
                  max_steps: Optional[int] = None, max_epochs: Optional[int] = None,
-                 clipping_mode: ClippingMode = "book-keeping", **kwargs: Any) -> None:
+                 clipping_mode: ClippingMode = "book-keeping", accounting_worker: AccountingWorker = "process",
+                 **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         if isinstance(clipping_groups, str):
             raise ValueError("clipping_groups='param_groups' is for the Trainer strategy; with Fabric give lists of "
@@ -103,11 +109,12 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         self._loader = None
         self._in_layout_check = False
         self.configure(target_epsilon=target_epsilon, delta=delta, accountant=accountant, max_steps=max_steps,
-                       max_epochs=max_epochs)
+                       max_epochs=max_epochs, accounting_worker=accounting_worker)
 
     def configure(self, *, target_epsilon: Optional[float] = None,
                   delta: float = DEFAULT_DELTA, accountant: Accountant = "pld", max_steps: Optional[int] = None,
-                  max_epochs: Optional[int] = None) -> "DPFabricStrategy":
+                  max_epochs: Optional[int] = None, accounting_worker: AccountingWorker = "process"
+                  ) -> "DPFabricStrategy":
         """The privacy settings (see the class), e.g. after ``Fabric(strategy="dp_deepspeed_stage_3")``; before
         ``fabric.setup_dataloaders``, which fixes the plan (σ is the strategy's ``noise_multiplier``, or calibrated
         to ``target_epsilon`` over ``max_steps`` / ``max_epochs``)."""
@@ -117,7 +124,12 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         self.accounting = AccountingSettings(target_epsilon, delta, check_option("accountant", accountant, Accountant))
         self.mechanism.use_accounting(self.accounting)
         self.max_steps, self.max_epochs = max_steps, max_epochs
-        self.steps = FabricSteps(self.mechanism, target_epsilon)
+        worker = check_option(
+            "accounting_worker", accounting_worker, AccountingWorker,
+            "'process' computes ε ahead of the steps in a child process, 'thread' in a thread, 'none' in the step.")
+        if getattr(self, "steps", None) is not None:
+            self.steps.close()
+        self.steps = FabricSteps(self.mechanism, target_epsilon, worker)
         return self
 
     # ------------------------------------------------------------------ what the loop reads
@@ -152,7 +164,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     def epsilon(self) -> float:
         """ε spent so far at δ (exact, by the accountant; 0.0 before the first step, ``inf`` with σ = 0)."""
         ledger = self.ledger
-        return 0.0 if ledger is None or ledger.steps == 0 else self.steps.tracker.epsilon(ledger, exact=True)
+        return 0.0 if ledger is None or ledger.steps == 0 else self.steps.epsilon(exact=True)
 
     def reduce(self, tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Optional[str] = "mean"
                ) -> torch.Tensor:
@@ -176,6 +188,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                 f"The DeepSpeed config sets gradient_clipping={self.config['gradient_clipping']}; per-example "
                 "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
         self.attach_engine(module, self.clipping_groups, self.zero_stage)
+        if self.global_rank == 0:
+            self.steps.start_accounting()  # the worker process starts while DeepSpeed initialises
         engine, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
         gas = engine.gradient_accumulation_steps()
         if gas != 1:
@@ -320,6 +334,11 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         if not self.mechanism.secure_mode:
             self._loader.batch_sampler.seed = int(self.mechanism.seed)
         self.steps.decide(self, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        self.steps.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ registry
     @classmethod

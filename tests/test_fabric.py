@@ -142,6 +142,40 @@ def test_the_budget_stops_the_loop_and_refuses_a_step_beyond_it():
     assert fabric.strategy.ledger.steps == steps
 
 
+def _budget_loop(worker):
+    """The metrics after every step of a loop the budget stops, and the strategy."""
+    fabric, model, optimizer, loader = _setup_all(DPFabricStrategy(stage=2, noise_multiplier=1.0, seed=3,
+                                                                   target_epsilon=3.0, accounting_worker=worker))
+    if worker == "process":  # (a loop this short would otherwise end before the child has started)
+        fabric.strategy.steps._ahead._pool._ready.result(timeout=300)
+    seen = []
+    while not fabric.strategy.should_stop:
+        for batch in loader:
+            _step(fabric, model, optimizer, batch)
+            seen.append(fabric.strategy.privacy_metrics)
+            if fabric.strategy.should_stop:
+                break
+    return seen, fabric.strategy
+
+
+def test_each_step_s_accounting_is_answered_ahead_by_a_worker_with_the_same_values():
+    """Rank 0's ε and budget answer come from a worker (a child process by default) that computed them while
+    the step ran: every step's metrics and the stop are those computed inside the step; teardown stops it."""
+    from lightning_dpzero.accounting.background import _ProcessPool
+
+    inside, _ = _budget_loop("none")
+    ahead, strategy = _budget_loop("process")
+    pool = strategy.steps._ahead._pool
+    assert isinstance(pool, _ProcessPool) and pool.ready  # the child ran and took the questions once started
+    assert ahead == inside and len(inside) == strategy.ledger.steps > 1
+    assert strategy.epsilon() <= 3.0 < strategy.steps.guard.epsilon_after_next_step(
+        strategy.ledger, strategy.plan.sample_rate, strategy.plan.noise_multiplier, strategy.plan.sampler_kind)
+    strategy.teardown()
+    assert strategy.steps._ahead is None
+    with pytest.raises(ValueError, match="accounting_worker"):
+        DPFabricStrategy(accounting_worker="gpu")
+
+
 def test_deepspeed_accumulation_and_clipping_are_refused_at_setup():
     for config, match in (({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
                           ({"gradient_clipping": 1.0}, "gradient_clipping=1.0")):
