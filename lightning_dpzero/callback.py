@@ -289,8 +289,8 @@ class PrivacyAccountantCallback(Callback):
         local = [float(stats.examples), float(stats.clipped), stats.norm_sum]
         examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps,
                                                          None if answers is None else answers.allowed_steps)
-        if not (logs or trainer.should_stop):  # (the budget's stop is logged: the last step of the fit)
-            return
+        if not (logs or trainer.should_stop or not self._next_step_allowed):
+            return  # (a step after which the budget stops or refuses the next is logged: the last of the fit)
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
         if self.log_second_accountant:

@@ -215,3 +215,20 @@ def test_one_budget_answer_covers_a_span_and_ends_at_the_exact_count():
             assert got == min(span, max(9 - n, 0)), (span, n)
     assert Answerer(EpsilonTracker(), None, None).answer(ledger_view(_ledger_of(Q, SIGMA, 3)), plan, 5) \
         .allowed_steps == float("inf")
+
+
+def test_the_step_before_a_refused_one_is_logged_whatever_the_logging_interval():
+    """With on_budget_exhausted="raise" the fit ends at the refused step's start: the step before it is the last
+    of the fit, so callback_metrics end on its ε even between logged steps."""
+    from lightning_dpzero import PrivacyBudgetExceeded
+
+    model = Net()
+    cb = PrivacyAccountantCallback(target_epsilon=TARGET, on_budget_exhausted="raise", accounting_worker="none")
+    trainer = L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=SIGMA), accelerator="cpu", devices=1,
+                        max_steps=-1, max_epochs=-1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                        accumulate_grad_batches=2, log_every_n_steps=4)
+    with pytest.raises(PrivacyBudgetExceeded):
+        trainer.fit(model)
+    assert cb.ledger.steps == 9 and sorted(model.seen) == [1, 4, 8, 9]
+    assert float(trainer.callback_metrics["dp_steps"]) == 9
