@@ -121,8 +121,7 @@ def build_cases(args) -> list[dict]:
                 ds("gpt", s, "nondp")
                 ds("gpt", s, "layer", clipping="layer-wise", clipping_fn="abadi")
                 ds("gpt", s, "all", clipping="all-layer", clipping_fn="abadi")
-                if s in (2, 3):
-                    ds("gpt", s, "all-2pass", **METHODS["all-2pass"])
+                ds("gpt", s, "all-2pass", **METHODS["all-2pass"])
                 if s == args.detail_stage:
                     ds("gpt", s, "group", clipping="group-wise", clipping_fn="abadi",
                        clipping_groups=gpt_groups(args.layers))
