@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from ._collectives import sum_over_ranks
 from ._options import AccountingWorker
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
-from .accounting.background import AccountingAhead, Answerer
+from .accounting.background import AccountingAhead, Answerer, ledger_epsilon
 
 _LOOP = ("The loop of a DP Fabric run is, per optimizer step: draw one batch from the loader that "
          "fabric.setup_dataloaders returned, one training forward of the model, fabric.backward(loss), "
@@ -75,12 +75,7 @@ class FabricSteps:
 
     def epsilon(self, exact: bool = True) -> float:
         """ε of the ledger (exact by default), asked of the worker while it holds the tracker."""
-        ledger = self.mechanism.ledger
-        if ledger is None or ledger.steps == 0:
-            return 0.0
-        if self._ahead is not None:
-            return self._ahead.epsilon(ledger, exact)
-        return self.tracker.epsilon(ledger, exact=exact)
+        return ledger_epsilon(self.mechanism.ledger, self._ahead, self.tracker, exact)
 
     # ------------------------------------------------------------------ the calls of the user's loop
     def drawn(self, batch: Any) -> None:

@@ -20,7 +20,7 @@ from typing_extensions import override
 from ._collectives import sum_over_ranks
 from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
-from .accounting.background import AccountingAhead, Answerer
+from .accounting.background import AccountingAhead, Answerer, check_accounting_worker, ledger_epsilon
 from .checkpoints.format import LEDGER_FILE
 from .checkpoints.format import CALLBACK_STATE_KEY
 from .mechanism import DPMechanism
@@ -107,9 +107,7 @@ class PrivacyAccountantCallback(Callback):
             "on_budget_exhausted", on_budget_exhausted, OnBudgetExhausted,
             "'stop' ends training after the last step within the budget, 'raise' raises PrivacyBudgetExceeded.")
         self.log_second_accountant = bool(log_second_accountant)
-        self.accounting_worker = check_option(
-            "accounting_worker", accounting_worker, AccountingWorker,
-            "'process' computes ε ahead of the steps in a child process, 'thread' in a thread, 'none' in the step.")
+        self.accounting_worker = check_accounting_worker(accounting_worker)
         self._tracker = EpsilonTracker()
         self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
         # the step's clipping statistics over all ranks: the sums come from the one all-reduce in _decide
@@ -157,12 +155,7 @@ class PrivacyAccountantCallback(Callback):
     def epsilon(self, exact: bool = True, accountant: Optional[str] = None) -> float:
         """ε spent so far at this callback's δ (0.0 before the first step, ``inf`` if σ = 0 was used), by
         ``accountant`` (default: the callback's). ``exact=False``: the tracker's cheap upper bound."""
-        ledger = self.ledger
-        if ledger is None or ledger.steps == 0:
-            return 0.0
-        if self._ahead is not None:  # the worker holds the tracker while it runs: ask it, after its queue
-            return self._ahead.epsilon(ledger, exact, accountant)
-        return self._tracker.epsilon(ledger, exact=exact, accountant=accountant)
+        return ledger_epsilon(self.ledger, self._ahead, self._tracker, exact, accountant)
 
     def _answerer(self) -> Answerer:
         return Answerer(self._tracker, self._guard, self.second_accountant if self.log_second_accountant else None)

@@ -30,6 +30,7 @@ from . import _refusals
 from ._dp_settings import DPSettings
 from ._fabric_loop import FabricSteps, announce_draws
 from ._launch import FabricDeepSpeedLaunchMixin
+from .accounting.background import check_accounting_worker
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
 from ._options import Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LossReduction, check_option
@@ -124,9 +125,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         self.accounting = AccountingSettings(target_epsilon, delta, check_option("accountant", accountant, Accountant))
         self.mechanism.use_accounting(self.accounting)
         self.max_steps, self.max_epochs = max_steps, max_epochs
-        worker = check_option(
-            "accounting_worker", accounting_worker, AccountingWorker,
-            "'process' computes ε ahead of the steps in a child process, 'thread' in a thread, 'none' in the step.")
+        worker = check_accounting_worker(accounting_worker)
         if getattr(self, "steps", None) is not None:
             self.steps.close()
         self.steps = FabricSteps(self.mechanism, target_epsilon, worker)
@@ -163,8 +162,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
 
     def epsilon(self) -> float:
         """ε spent so far at δ (exact, by the accountant; 0.0 before the first step, ``inf`` with σ = 0)."""
-        ledger = self.ledger
-        return 0.0 if ledger is None or ledger.steps == 0 else self.steps.epsilon(exact=True)
+        return self.steps.epsilon(exact=True)
 
     def reduce(self, tensor: torch.Tensor, group: Optional[Any] = None, reduce_op: Optional[str] = "mean"
                ) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from .._options import AccountingWorker
+from .._options import AccountingWorker, check_option
 from .accountants import EpsilonTracker
 from .budget import BudgetGuard
 from .ledger import LedgerEntry
@@ -292,6 +292,25 @@ def _serve(req_fd: int, res_fd: int) -> None:
         except Exception as exc:  # noqa: BLE001 - handed back to the training process, which raises it
             reply = [False, f"{type(exc).__name__}: {exc}"]
         _write(results, reply)
+
+
+def check_accounting_worker(value: Any) -> AccountingWorker:
+    """``value`` if it names a worker kind (the ``accounting_worker`` setting of the callback and of the Fabric
+    strategy), else ``ValueError``."""
+    return check_option("accounting_worker", value, AccountingWorker,
+                        "'process' computes ε ahead of the steps in a child process, 'thread' in a thread, "
+                        "'none' in the step.")
+
+
+def ledger_epsilon(ledger, ahead: Optional["AccountingAhead"], tracker: EpsilonTracker, exact: bool = True,
+                   accountant: Optional[str] = None) -> float:
+    """ε of ``ledger`` (0.0 without steps): asked of ``ahead`` while it runs (its worker holds the tracker; the
+    answer comes after its queue), else of ``tracker``."""
+    if ledger is None or ledger.steps == 0:
+        return 0.0
+    if ahead is not None:
+        return ahead.epsilon(ledger, exact, accountant)
+    return tracker.epsilon(ledger, exact=exact, accountant=accountant)
 
 
 class AccountingAhead:
