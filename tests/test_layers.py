@@ -21,6 +21,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
+from lightning_dpzero.per_sample import conv as conv_mod
 from lightning_dpzero.per_sample import paths as paths_mod
 from lightning_dpzero.per_sample import registry
 from lightning_dpzero.per_sample.base import Site
@@ -146,13 +147,38 @@ class PreThen(nn.Module):
 
 
 @settings(deadline=None, max_examples=EXAMPLES + 15)
-@given(case=conv_cases(), clip=clip_st)
-def test_conv_matches_oracle(case, clip):
+@given(case=conv_cases(), clip=clip_st, patches=st.booleans())
+def test_conv_matches_oracle(case, clip, patches):
+    """Every stride, dilation, padding and mode, 1-3 spatial dimensions and groups, with the per-example
+    gradients from strided patches or (``patches`` False: no layer counts as having few channels) from the
+    grouped kernel."""
     torch.manual_seed(clip["seed"])
     c = case
     conv = CONV[c["n"]](c["cin"], c["cout"], c["k"], c["stride"], c["pad"], c["dil"], c["G"], c["bias"], c["mode"])
     model = PreThen(c["n"], c["cin"], conv)
-    check_oracle(model, torch.randn(clip["B"], c["cin"], *c["size"]), clip)
+    with mock.patch.object(conv_mod, "FEW_CHANNELS", conv_mod.FEW_CHANNELS if patches else 0):
+        check_oracle(model, torch.randn(clip["B"], c["cin"], *c["size"]), clip)
+
+
+@pytest.mark.parametrize("cin, groups, patches", [(3, 1, True), (4, 1, True), (8, 2, True), (5, 1, False),
+                                                  (16, 2, False)])
+def test_few_input_channels_take_the_patch_product_not_the_grouped_kernel(cin, groups, patches):
+    """Up to FEW_CHANNELS input channels per group (an RGB input layer, a depthwise convolution) the per-example
+    gradients come from one batched product over strided patches, where the grouped kernel was measured 2-3×
+    slower; wider layers keep the grouped kernel. Both equal the oracle."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, 2 * groups, 3, stride=2, padding=1, groups=groups)
+    patched = []
+    real = conv_mod.strided_patches
+
+    def spy(module, *args):
+        patched.append(module)
+        return real(module, *args)
+
+    clip = dict(clipping="layer-wise", clipping_fn="abadi", C=0.05, path="reuse", B=4, seed=3)
+    with mock.patch.object(conv_mod, "strided_patches", spy):
+        check_oracle(PreThen(2, cin, conv), torch.randn(4, cin, 7, 7), clip)
+    assert (conv in patched) == patches
 
 
 def test_conv_refuses_unbatched_input():
