@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+#: DP methods the largest-model search may run, with the words of their columns and target rows
+LARGEST_DP_METHODS = {"layer": "layer-wise", "all": "all-layer", "all-2pass": "all-layer two-pass"}
 #: σ and C of every DP configuration of the step-time benchmarks
 SIGMA, CLIP = 1.0, 1.0
 

@@ -160,6 +160,15 @@ def make_trainer(cfg: dict, first: list, last: list):
     return trainer, Bench()
 
 
+def takes_memory_step(cfg: dict) -> bool:
+    """Whether a run takes one more step after the timed ones, under the profiler's memory record: the peak of
+    the allocator's live bytes during a step, above those live when it starts (deterministic, unlike RSS). On
+    the CPU only, and every rank takes it or none does (``--profile`` profiles rank 0 only: no memory step on
+    any rank). ``cfg['memory_step'] = False`` (the largest-model search, the scaling grid): none, as the
+    profiler's records and the extra step would count in the peak RSS those report."""
+    return cfg["accelerator"] != "gpu" and not cfg.get("profile") and cfg.get("memory_step", True)
+
+
 def lightning_worker(cfg: dict) -> dict:
     import lightning as L
 
@@ -231,11 +240,8 @@ def lightning_worker(cfg: dict) -> dict:
                 self.start.rf.__exit__(None, None, None)
                 self.start.rf = None
 
-    # one more step after the timed ones, under the profiler's memory record (CPU, no --profile): the peak of
-    # the allocator's live bytes during a step, above those live when it starts (deterministic, unlike RSS);
-    # every rank takes that step or none does (--profile profiles rank 0 only: no memory step on any rank)
     memory = None
-    if not on_gpu and not cfg.get("profile"):
+    if takes_memory_step(cfg):
         from torch.profiler import ProfilerActivity, profile
 
         memory = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, close_run, machine_info, md_table, write_json
+from benchmarks.common import LARGEST_DP_METHODS, RESULTS, close_run, machine_info, md_table, write_json
 from benchmarks.launch import launch
 from benchmarks.step_time import METHODS, lightning_case
 
@@ -65,19 +65,25 @@ def predicted_width(stage: int, args, base_mb: float) -> int:
     return max(d, STEP)
 
 
+def trial_config(args, label: str, stage: int, method: str, d: int, offload: bool) -> dict:
+    """The worker configuration of one trial: one optimizer step of width ``d`` and nothing after it (no
+    profiled memory step: its records and a second step would count in the peak RSS that decides the fit)."""
+    kw = dict(METHODS[method])
+    if offload:
+        # torch's Adam on the offloaded states: the CPU is the device here (DeepSpeedCPUAdam would need
+        # its C++ op built), so DeepSpeed's check for its own CPU optimizer is turned off
+        kw["strategy_kw"] = dict(offload_optimizer=True, offload_parameters=True)
+        kw["ds_config"] = {"zero_force_ds_cpu_optimizer": False}
+    return lightning_case(f"{label}/d{d}", method, model="gpt", model_kw=model_kw(d, args), stage=stage,
+                          world=args.world, batch=args.batch, warmup=0, steps=1, memory_step=False, **kw)
+
+
 class Search:
     def __init__(self, args, logdir: Path, res: dict):
         self.args, self.logdir, self.res = args, logdir, res
 
     def trial(self, label: str, stage: int, method: str, d: int, offload: bool) -> dict:
-        kw = dict(METHODS[method])
-        if offload:
-            # torch's Adam on the offloaded states: the CPU is the device here (DeepSpeedCPUAdam would need
-            # its C++ op built), so DeepSpeed's check for its own CPU optimizer is turned off
-            kw["strategy_kw"] = dict(offload_optimizer=True, offload_parameters=True)
-            kw["ds_config"] = {"zero_force_ds_cpu_optimizer": False}
-        cfg = lightning_case(f"{label}/d{d}", method, model="gpt", model_kw=model_kw(d, self.args), stage=stage,
-                             world=self.args.world, batch=self.args.batch, warmup=0, steps=1, **kw)
+        cfg = trial_config(self.args, label, stage, method, d, offload)
         r = launch(cfg, self.logdir, self.args.timeout, rss_limit_mb=self.args.budget_mb)
         peak = max(r.get("rss_peak_mb") or [0.0])
         seen = max(r.get("rss_seen_mb") or [0.0])
@@ -121,32 +127,34 @@ class Search:
 
 
 def render(res: dict) -> str:
+    methods = [m for m in LARGEST_DP_METHODS if any(m in c["results"] for c in res["configs"])]
     rows = []
     for c in res["configs"]:
         nd = c["results"].get("nondp")
         row = [c["label"], f"{res['args']['budget_mb']:.0f}", c["predicted_d"],
                f"{c['formula_psi'] / 1e6:.1f} M"]
         if not nd:
-            rows.append(row + ["not found"] + [None] * 5)
+            rows.append(row + ["not found"] + [None] * (2 * len(methods) + 1))
             continue
         row += [f"{nd['d']} / {nd['psi'] / 1e6:.1f} M / {nd['peak_rss_mb']:.0f}"]
-        for m in ("layer", "all"):
+        for m in methods:
             r = c["results"].get(m)
             row += [f"{r['d']} / {r['psi'] / 1e6:.1f} M / {r['peak_rss_mb']:.0f}" if r else "not found",
                     f"{r['psi'] / nd['psi']:.3f}" if r else None]
         states = nd["psi"] * bytes_per_param(c["stage"], res["args"]["world"]) / 2**20
         row.append(f"{states:.0f} + {res['footprint_mb']:.0f} = {states + res['footprint_mb']:.0f}")
         rows.append(row)
-    return md_table(["ZeRO", "budget MB/proc", "formula's d", "formula's Ψ", "non-DP: d / Ψ / peak RSS MB",
-                     "layer-wise: d / Ψ / peak RSS MB", "Ψ ÷ non-DP", "all-layer: d / Ψ / peak RSS MB",
-                     "Ψ ÷ non-DP", "formula's model states at non-DP's Ψ + footprint, MB/proc"], rows)
+    heads = [h for m in methods for h in (f"{LARGEST_DP_METHODS[m]}: d / Ψ / peak RSS MB", "Ψ ÷ non-DP")]
+    return md_table(["ZeRO", "budget MB/proc", "formula's d", "formula's Ψ", "non-DP: d / Ψ / peak RSS MB", *heads,
+                     "formula's model states at non-DP's Ψ + footprint, MB/proc"], rows)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-mb", type=float, default=2048, help="peak RSS allowed per process (MB)")
     ap.add_argument("--stages", default="0,1,2,3,3o", help="ZeRO stages; 3o: ZeRO-3 with CPU offload")
-    ap.add_argument("--methods", default="nondp,layer,all")
+    ap.add_argument("--methods", default="nondp,layer,all",
+                    help="nondp and the DP methods: layer, all, all-2pass (all-layer, two-pass)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2, help="micro-batch per process")

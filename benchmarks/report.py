@@ -7,7 +7,7 @@ missing from the results says so in its row instead of a verdict.
 
 from __future__ import annotations
 
-from benchmarks.common import md_table
+from benchmarks.common import LARGEST_DP_METHODS, md_table
 
 TARGET_NOTES = """\
 The project's performance targets against what was measured (time ratios are CPU-time ratios to a non-DP
@@ -44,7 +44,7 @@ def _verdict(ok: bool | None) -> str:
     return "–" if ok is None else ("met" if ok else "**missed**")
 
 
-def targets(st: dict | None, scaling: dict | None = None, largest: dict | None = None,
+def targets(st: dict | None, scaling: dict | None = None, largest: dict | list | None = None,
             eps: dict | None = None) -> str:
     """One row per target and measured configuration: target, bound, measured, wall-clock ratio, floor,
     verdict."""
@@ -120,12 +120,13 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | None =
                      f"{len(done)} of {grid} configurations", None, None, _verdict(len(done) == grid)])
     else:
         rows.append(["cost against width, length and batch", "measured", NOT_RUN, None, None, "–"])
-    # 7. the largest model
-    if largest:
-        budget = largest["args"]["budget_mb"]
-        for c in largest["configs"]:
+    # 7. the largest model (one search, or several: a later one re-measures some stages with more methods)
+    runs = [lm for lm in (largest if isinstance(largest, list) else [largest]) if lm]
+    for lm in runs:
+        budget = lm["args"]["budget_mb"]
+        for c in lm["configs"]:
             nd = c["results"].get("nondp")
-            for m, words in (("layer", "layer-wise"), ("all", "all-layer")):
+            for m, words in LARGEST_DP_METHODS.items():
                 r = c["results"].get(m)
                 if not nd or m not in c["results"]:
                     continue
@@ -134,7 +135,7 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | None =
                              "≥ 0.95 of non-DP's Ψ", f"{v:.3f}" + (f" ({r['psi'] / 1e6:.1f} M / {nd['psi'] / 1e6:.1f} M)"
                                                               if r else " (nothing fits)"),
                              None, None, _verdict(v >= 0.95)])
-    else:
+    if not runs:
         rows.append(["largest model that fits, DP against non-DP", "≥ 0.95 of non-DP's Ψ", NOT_RUN, None, None, "–"])
     # 8. GPU
     rows.append(["the same figures on a GPU", "measured", "not measured (no GPU in this run); `benchmarks/gpu.sh` "

@@ -38,7 +38,7 @@ def grid(args) -> list[dict]:
         for method in ("nondp", "layer", "all"):
             cases.append(lightning_case(f"d{d}/T{T}/B{B}", method, model="gpt", model_kw=kw, stage=args.stage,
                                         world=args.world, batch=B, warmup=args.warmup, steps=args.steps,
-                                        **METHODS[method]))
+                                        memory_step=False, **METHODS[method]))  # peak RSS of training steps only
     return cases
 
 

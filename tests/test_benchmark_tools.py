@@ -159,3 +159,31 @@ def test_a_lightning_group_runs_interleaved_on_two_ranks(tmp_path):
     paired = out["cnn/zero2/layer"]
     assert paired["paired_rounds"] == 3 and len(paired["paired_baseline_cpu_s"]) == 3
     assert 0 < paired["paired_cpu_ratio"] < 100
+
+
+def test_the_largest_model_search_measures_one_training_step_and_no_profiled_one():
+    from benchmarks.ds_worker import takes_memory_step
+    from benchmarks.step_time import lightning_case
+
+    for method, offload in (("nondp", False), ("all-2pass", True)):
+        cfg = largest_model.trial_config(_args(), "ZeRO-3", 3, method, 64, offload)
+        assert cfg["warmup"] + cfg["steps"] == 1 and not takes_memory_step(cfg)
+    assert cfg["clipping_mode"] == "two-pass" and cfg["strategy_kw"]["offload_optimizer"]
+    # the step-time runs keep their profiled memory step
+    step = lightning_case("gpt/zero2", "all", model="gpt", model_kw={}, stage=2, world=2, batch=8, warmup=2,
+                          steps=5)
+    assert takes_memory_step(step)
+
+
+def test_the_largest_model_table_and_targets_show_two_pass_where_it_was_searched():
+    lm = {"args": {"budget_mb": 2048.0, "world": 2}, "footprint_mb": 480.0, "configs": [{
+        "label": "ZeRO-3 + offload", "stage": 3, "predicted_d": 64, "formula_psi": 100,
+        "results": {"nondp": {"d": 64, "psi": 100, "peak_rss_mb": 2000.0}, "all": {"d": 32, "psi": 90,
+                    "peak_rss_mb": 1990.0}, "all-2pass": {"d": 64, "psi": 100, "peak_rss_mb": 2010.0}}}]}
+    table = largest_model.render(lm)
+    assert "all-layer two-pass: d / Ψ / peak RSS MB" in table and "layer-wise" not in table
+    rows = report.targets(None, largest=[None, lm]).splitlines()
+    two_pass = next(line for line in rows if "all-layer two-pass against non-DP, ZeRO-3 + offload" in line)
+    book = next(line for line in rows if "all-layer against non-DP, ZeRO-3 + offload" in line)
+    assert "1.000" in two_pass and "| met |" in two_pass
+    assert "0.900" in book and "**missed**" in book
