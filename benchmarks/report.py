@@ -122,8 +122,9 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | list |
         rows.append(["cost against width, length and batch", "measured", NOT_RUN, None, None, "–"])
     # 7. the largest model (one search, or several: a later one re-measures some stages with more methods)
     runs = [lm for lm in (largest if isinstance(largest, list) else [largest]) if lm]
-    for lm in runs:
+    for n, lm in enumerate(runs):
         budget = lm["args"]["budget_mb"]
+        later = ", a later search" if n else ""
         for c in lm["configs"]:
             nd = c["results"].get("nondp")
             for m, words in LARGEST_DP_METHODS.items():
@@ -131,7 +132,7 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | list |
                 if not nd or m not in c["results"]:
                     continue
                 v = r["psi"] / nd["psi"] if r else 0.0
-                rows.append([f"largest model, {words} against non-DP, {c['label']}, {budget:.0f} MB per process",
+                rows.append([f"largest model, {words} against non-DP, {c['label']}, {budget:.0f} MB per process{later}",
                              "≥ 0.95 of non-DP's Ψ", f"{v:.3f}" + (f" ({r['psi'] / 1e6:.1f} M / {nd['psi'] / 1e6:.1f} M)"
                                                               if r else " (nothing fits)"),
                              None, None, _verdict(v >= 0.95)])

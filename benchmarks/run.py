@@ -119,10 +119,9 @@ def largest_section(lm: dict) -> str:
 
 def offload_section(lm: dict) -> str:
     """The later search of ZeRO-3 with offload alone, with all-layer clipping in two passes beside book-keeping."""
-    methods = ", ".join(m for m in lm["args"]["methods"].split(",") if m != "nondp")
     return "\n".join([
         f"A later search of the same decoder with ZeRO-3 and offload alone (`python -m benchmarks.largest_model "
-        f"--stages 3o --methods nondp,{methods} --out benchmarks/results/largest_model_offload_cpu.json`), with "
+        f"--stages {lm['args']['stages']} --methods {lm['args']['methods']} --out benchmarks/results/largest_model_offload_cpu.json`), with "
         "all-layer clipping in two passes (`clipping_mode=\"two-pass\"`) beside book-keeping: two passes keep no "
         "layer's output gradient until the end of the backward pass."
         + (f" Took {lm['wall_s'] / 60:.0f} min, {len(lm['trials'])} trials." if "wall_s" in lm else ""),

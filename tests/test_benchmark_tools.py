@@ -182,7 +182,7 @@ def test_the_largest_model_table_and_targets_show_two_pass_where_it_was_searched
                     "peak_rss_mb": 1990.0}, "all-2pass": {"d": 64, "psi": 100, "peak_rss_mb": 2010.0}}}]}
     table = largest_model.render(lm)
     assert "all-layer two-pass: d / Ψ / peak RSS MB" in table and "layer-wise" not in table
-    rows = report.targets(None, largest=[None, lm]).splitlines()
+    rows = report.targets(None, largest=[None, lm]).splitlines()  # a first search that was not run
     two_pass = next(line for line in rows if "all-layer two-pass against non-DP, ZeRO-3 + offload" in line)
     book = next(line for line in rows if "all-layer against non-DP, ZeRO-3 + offload" in line)
     assert "1.000" in two_pass and "| met |" in two_pass
