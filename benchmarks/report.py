@@ -120,12 +120,14 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | list |
                      f"{len(done)} of {grid} configurations", None, None, _verdict(len(done) == grid)])
     else:
         rows.append(["cost against width, length and batch", "measured", NOT_RUN, None, None, "–"])
-    # 7. the largest model (one search, or several: a later one re-measures some stages with more methods)
+    # 7. the largest model (one search, or several: a later one may search a stage again, with more methods)
     runs = [lm for lm in (largest if isinstance(largest, list) else [largest]) if lm]
-    for n, lm in enumerate(runs):
+    searched: set[str] = set()
+    for lm in runs:
         budget = lm["args"]["budget_mb"]
-        later = ", a later search" if n else ""
         for c in lm["configs"]:
+            later = ", a later search" if c["label"] in searched else ""
+            searched.add(c["label"])
             nd = c["results"].get("nondp")
             for m, words in LARGEST_DP_METHODS.items():
                 r = c["results"].get(m)

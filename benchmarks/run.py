@@ -10,7 +10,7 @@ Usage::
 Every flag of ``benchmarks.step_time`` can follow ``--`` (e.g. ``-- --steps 4 --models gpt``).
 Outputs: ``benchmarks/results/per_layer_cpu.json``, ``per_layer_rnn_cpu.json``, ``profile_engine_cpu.json``,
 ``step_time_cpu.json``, ``epsilon_accuracy.json``, ``scaling_cpu.json``, ``largest_model_cpu.json``,
-``largest_model_offload_cpu.json`` (ZeRO-3 with offload again, all-layer in two passes too),
+``largest_model_offload_cpu.json`` (ZeRO-3 with offload, all-layer in two passes too),
 ``step_time_cpu.png`` (all under ``benchmarks/results/``) and ``docs/benchmarks.md``, which also includes
 ``benchmarks/results/step_time_profile_cpu.json`` (a ``step_time --profile`` run) and the hand-written
 ``benchmarks/results/analysis.md`` when they exist. The page opens with a summary in words, generated from
@@ -110,21 +110,25 @@ def largest_section(lm: dict) -> str:
         "is the formula's model states at non-DP's maximum plus the tiny model's footprint: what the formula "
         "leaves out (activations, DeepSpeed's flat copies and buckets, allocator slack) is the rest of the "
         "budget."
-        + (f" Took {lm['wall_s'] / 60:.0f} min, {len(lm['trials'])} trials." if "wall_s" in lm else
-           " (interrupted run: the stages it reached)"),
+        + _run_length(lm),
         "",
         largest_model.render(lm),
     ])
 
 
+def _run_length(lm: dict) -> str:
+    return (f" Took {lm['wall_s'] / 60:.0f} min, {len(lm['trials'])} trials." if "wall_s" in lm else
+            " (interrupted run: the stages it reached)")
+
+
 def offload_section(lm: dict) -> str:
-    """The later search of ZeRO-3 with offload alone, with all-layer clipping in two passes beside book-keeping."""
+    """The search of ZeRO-3 with offload alone, with all-layer clipping in two passes beside book-keeping."""
     return "\n".join([
-        f"A later search of the same decoder with ZeRO-3 and offload alone (`python -m benchmarks.largest_model "
+        f"A separate search of the same decoder with ZeRO-3 and offload alone (`python -m benchmarks.largest_model "
         f"--stages {lm['args']['stages']} --methods {lm['args']['methods']} --out benchmarks/results/largest_model_offload_cpu.json`), with "
         "all-layer clipping in two passes (`clipping_mode=\"two-pass\"`) beside book-keeping: two passes keep no "
         "layer's output gradient until the end of the backward pass."
-        + (f" Took {lm['wall_s'] / 60:.0f} min, {len(lm['trials'])} trials." if "wall_s" in lm else ""),
+        + _run_length(lm),
         "",
         largest_model.render(lm),
     ])
@@ -335,8 +339,9 @@ def main(argv=None) -> None:
         if not args.skip_scaling:
             scaling.main(["--out", str(RESULTS / "scaling_cpu.json")])
         if not args.skip_largest:
-            largest_model.main(["--out", str(RESULTS / "largest_model_cpu.json")])
-            largest_model.main(["--stages", "3o", "--methods", "nondp,all,all-2pass",
+            # ZeRO-3 with offload in a search of its own, which adds two-pass clipping (not searched twice)
+            largest_model.main(["--stages", "0,1,2,3", "--out", str(RESULTS / "largest_model_cpu.json")])
+            largest_model.main(["--stages", "3o", "--methods", "nondp,layer,all,all-2pass",
                                 "--out", str(RESULTS / "largest_model_offload_cpu.json")])
         print(f"total {time.time() - t0:.0f} s; load average after: {load_average()}", flush=True)
     pl = json.loads(pl_path.read_text()) if pl_path.exists() else None

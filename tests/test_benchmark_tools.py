@@ -187,3 +187,7 @@ def test_the_largest_model_table_and_targets_show_two_pass_where_it_was_searched
     book = next(line for line in rows if "all-layer against non-DP, ZeRO-3 + offload" in line)
     assert "1.000" in two_pass and "| met |" in two_pass
     assert "0.900" in book and "**missed**" in book
+    # the same stage searched twice: the second search's rows say so, the first's do not
+    rows = report.targets(None, largest=[lm, lm]).splitlines()
+    assert sum("ZeRO-3 + offload, 2048 MB per process |" in line for line in rows) == 2
+    assert sum("ZeRO-3 + offload, 2048 MB per process, a later search |" in line for line in rows) == 2
