@@ -199,7 +199,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                 "and raise the DataLoader's batch_size, or use the Trainer's DPDeepSpeedStrategy with "
                 "Trainer(accumulate_grad_batches=...).")
         self.prepare_clipping_mode(engine)
-        keep_release_decisions_fresh(engine)  # ZeRO-3, after the layout check's forwards
+        keep_release_decisions_fresh(engine)  # ZeRO-3: its release decisions follow its trace
         self.mechanism.install_noise(_refusals.base_optimizer(engine), replicated=self.zero_stage == 0)
         engine.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         return engine, optimizers, scheduler

@@ -160,7 +160,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
             if self.clipping_groups == "param_groups":
                 self.per_sample.set_groups(self._user_param_groups, self.group_max_grad_norms)
             self.prepare_clipping_mode(self.deepspeed_engine)
-            keep_release_decisions_fresh(self.deepspeed_engine)  # ZeRO-3, after the layout check's forwards
+            keep_release_decisions_fresh(self.deepspeed_engine)  # ZeRO-3: its release decisions follow its trace
             self.mechanism.install_noise(_refusals.base_optimizer(self.deepspeed_engine),
                                          replicated=self.zero_stage == 0)
 
