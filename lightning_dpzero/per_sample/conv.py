@@ -50,14 +50,26 @@ from .registry import register_rule
 FEW_CHANNELS = 4
 
 
-def _conv_backward(module, x, weight, g, padding, groups: int, want_input: bool) -> torch.Tensor:
-    """PyTorch's convolution backward kernel (the one autograd runs for the layer): the input gradient, or
-    the weight gradient (``weight`` then only gives the shape: its values are not read)."""
+def _weight_grad(module, x, weight, g, padding, groups: int) -> torch.Tensor:
+    """PyTorch's weight-gradient kernel (the one autograd runs for the layer; ``weight`` only gives the shape:
+    its values are not read)."""
     n = len(module.kernel_size)
-    out = torch.ops.aten.convolution_backward(
+    return torch.ops.aten.convolution_backward(
         g, x, weight, None, list(module.stride), list(padding), list(module.dilation), False, [0] * n, groups,
-        [want_input, not want_input, False])
-    return out[0] if want_input else out[1]
+        [False, True, False])[1]
+
+
+def _input_grad(module, input_shape, weight, g, padding) -> torch.Tensor:
+    """The input gradient as the transposed convolution of the output gradient: what autograd's backward kernel
+    computes (the same oneDNN primitive on the CPU), but without the input itself, which that kernel copies
+    (``convolution_backward`` makes it contiguous even where only the input gradient is asked for): at the
+    layer where a CNN's backward peaks (its widest input) that copy was the largest tensor formed."""
+    n = len(module.kernel_size)
+    # the input positions the forward's floor division left over (0 ≤ extra < stride, as PyTorch requires)
+    extra = [i - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for i, o, s, p, d, k in
+             zip(input_shape[2:], g.shape[2:], module.stride, padding, module.dilation, module.kernel_size)]
+    transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[n - 1]
+    return transpose(g, weight, None, module.stride, padding, extra, module.groups, module.dilation)
 
 
 def _pads(module) -> list[tuple[int, int]]:
@@ -138,8 +150,16 @@ class ConvRule(LinearRule):
         module, x, g = site.module, site.x, site.g
         if _kernels_cannot_pad(module):
             return LayerRule.grad_input(self, site, params)  # recompute through F.pad
-        return _conv_backward(module, x.to(g.dtype), params[0].to(g.dtype), g, [l for l, _ in _pads(module)],
-                              module.groups, want_input=True)
+        weight, padding = params[0].to(g.dtype), [l for l, _ in _pads(module)]
+        parts = self._parts(module, x, g, "input") if g.device.type == "cpu" else [slice(None)]
+        if len(parts) == 1:
+            return _input_grad(module, x.shape, weight, g, padding)
+        # on the CPU a part of the batch at a time, into one tensor: the kernel's copies of its output gradient
+        # and of its result (2-3× the layer's input) then stay a part's
+        gx = torch.empty(x.shape, dtype=g.dtype, device=g.device)
+        for s in parts:
+            gx[s] = _input_grad(module, gx[s].shape, weight, g[s], padding)
+        return gx
 
     def _rows(self, module, x, g):
         return unfold_patches(module, x), g.flatten(2).transpose(1, 2)  # (B,T,d), (B,T,p)
@@ -167,7 +187,8 @@ class ConvRule(LinearRule):
         G = module.groups
         rows = (x.numel() + g.numel()) // max(1, B)
         per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": rows + 2 * G * p * d,
-               "sum": rows + min(x.numel(), g.numel()) // max(1, B)}[work]
+               "sum": rows + min(x.numel(), g.numel()) // max(1, B),
+               "input": (g.numel() + 2 * x.numel()) // max(1, B)}[work]
         k = norm_chunk(x, g, per)
         if B <= k:
             return [slice(None)]
@@ -204,8 +225,8 @@ class ConvRule(LinearRule):
         xin, padding = self._padded(module, x.float())
         gf = g.float()
         dummy = torch.empty((B * shape[0], *shape[1:]), dtype=torch.float32, device=g.device)
-        w = _conv_backward(module, xin.reshape(1, B * xin.shape[1], *xin.shape[2:]), dummy,
-                           gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), padding, B * module.groups, want_input=False)
+        w = _weight_grad(module, xin.reshape(1, B * xin.shape[1], *xin.shape[2:]), dummy,
+                         gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), padding, B * module.groups)
         return w.view(B, *shape)
 
     def _weight_norm_sq(self, module, x, g, path, grams=None):  # unfolded rows are never shared
@@ -239,7 +260,7 @@ class ConvRule(LinearRule):
         for s in self._parts(module, x, g, "sum"):
             xs, gs = (x[s] * c[s], g[s]) if x.numel() < g.numel() else (x[s], g[s] * c[s])
             xin, padding = self._padded(module, xs)
-            part = _conv_backward(module, xin, dummy, gs, padding, module.groups, want_input=False)
+            part = _weight_grad(module, xin, dummy, gs, padding, module.groups)
             out = part if out is None else out.add_(part)
         return out
 
