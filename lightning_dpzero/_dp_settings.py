@@ -10,6 +10,7 @@ from torch import nn
 from . import _refusals
 from ._options import LossReduction, check_option
 from ._reduction import output_hook_managers, output_hooks_suspended
+from ._zero3_trace import keep_release_decisions_fresh
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_clipping_groups
@@ -47,6 +48,13 @@ class DPSettings:
 
             set_z3_leaf_modules(module, self.per_sample.zero3_leaf_types)
         return self.per_sample
+
+    def prepare_engine(self, deepspeed_engine) -> None:
+        """Once DeepSpeed has initialised, before the first update: two-pass clipping's checks and hooks
+        (:meth:`prepare_clipping_mode`), and on ZeRO-3 release decisions that follow DeepSpeed's trace
+        (:func:`._zero3_trace.keep_release_decisions_fresh`)."""
+        self.prepare_clipping_mode(deepspeed_engine)
+        keep_release_decisions_fresh(deepspeed_engine)
 
     def prepare_clipping_mode(self, deepspeed_engine) -> None:
         """Before the first update, with two-pass clipping: refuse DeepSpeed's fp16 (the norms pass runs without

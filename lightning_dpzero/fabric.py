@@ -33,7 +33,6 @@ from ._launch import FabricDeepSpeedLaunchMixin
 from .accounting.background import check_accounting_worker
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
-from ._zero3_trace import keep_release_decisions_fresh
 from ._options import Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LossReduction, check_option
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
@@ -198,8 +197,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                 "forward and backward. Remove gradient_accumulation_steps (and train_batch_size) from the config "
                 "and raise the DataLoader's batch_size, or use the Trainer's DPDeepSpeedStrategy with "
                 "Trainer(accumulate_grad_batches=...).")
-        self.prepare_clipping_mode(engine)
-        keep_release_decisions_fresh(engine)  # ZeRO-3: its release decisions follow its trace
+        self.prepare_engine(engine)
         self.mechanism.install_noise(_refusals.base_optimizer(engine), replicated=self.zero_stage == 0)
         engine.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         return engine, optimizers, scheduler

@@ -29,7 +29,6 @@ from ._dp_settings import DPSettings
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
 from ._strategy_names import register_names
-from ._zero3_trace import keep_release_decisions_fresh
 from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
 from .per_sample.layout import reindex_batch
@@ -159,8 +158,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if fitting:
             if self.clipping_groups == "param_groups":
                 self.per_sample.set_groups(self._user_param_groups, self.group_max_grad_norms)
-            self.prepare_clipping_mode(self.deepspeed_engine)
-            keep_release_decisions_fresh(self.deepspeed_engine)  # ZeRO-3: its release decisions follow its trace
+            self.prepare_engine(self.deepspeed_engine)
             self.mechanism.install_noise(_refusals.base_optimizer(self.deepspeed_engine),
                                          replicated=self.zero_stage == 0)
 

@@ -91,7 +91,7 @@ def _spy_on_backward_gathers(monkeypatch) -> list[list[int]]:
 @pytest.mark.parametrize("fixed", [True, False])
 def test_after_the_layout_check_backward_gathers_nothing_itself(monkeypatch, fixed):
     if not fixed:  # the same run without the fix: shows the test can fail
-        monkeypatch.setattr("lightning_dpzero.strategy.keep_release_decisions_fresh", lambda engine: None)
+        monkeypatch.setattr("lightning_dpzero._dp_settings.keep_release_decisions_fresh", lambda engine: None)
     steps = _spy_on_backward_gathers(monkeypatch)
     strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.0, clipping="all-layer")
     strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every Linear partitioned
