@@ -181,6 +181,7 @@ def test_minilm_lora_yaml_with_strategy_class_path(tmp_path):
     out = run([sys.executable, "-m", "lightning_dpzero.cli",
                "fit", "--config", "examples/configs/minilm_lora.yaml", "--trainer.max_steps=3",
                "--trainer.val_check_interval=3", "--trainer.enable_progress_bar=false",
+               "--data.batch_size=32", "--trainer.limit_val_batches=1",  # the config's 128 takes 2x the time
                f"--trainer.logger.init_args.save_dir={tmp_path}"])
     m = LORA_LINE.search(out)
     assert m, out[-3000:]
