@@ -182,7 +182,8 @@ class ConvRule(LinearRule):
         ``"ghost"``, the ghost norm's unfolded rows and two Gram matrices per group; ``"instantiate"``, the
         grouped kernel's copies of the example's input and output gradient and its weight gradient (formed,
         then copied out); ``"sum"``, the weight-gradient kernel's copies of the input and output gradient and
-        the scaled copy of the smaller."""
+        the scaled copy of the smaller; ``"input"``, the transposed convolution's copy of the output gradient
+        and its result with a copy of it (:meth:`grad_input`)."""
         B, T, d, p = self._dims(module, x, g)
         G = module.groups
         rows = (x.numel() + g.numel()) // max(1, B)
