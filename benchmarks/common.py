@@ -20,6 +20,15 @@ RESULTS = Path(__file__).parent / "results"
 LARGEST_DP_METHODS = {"layer": "layer-wise", "all": "all-layer", "all-2pass": "all-layer two-pass"}
 #: σ and C of every DP configuration of the step-time benchmarks
 SIGMA, CLIP = 1.0, 1.0
+#: glibc malloc settings of every timed worker (``benchmarks.launch``; not the largest-model search, whose
+#: memory budget is measured with the default allocator a user runs). By default glibc serves allocations above
+#: 128 KB (adapting up to 32 MB) with fresh ``mmap`` pages and returns freed heap tops to the kernel, so a
+#: step's large tensors are page-faulted in again on every step: measured on the benchmark CNN, 11-13
+#: thousand minor faults per non-DP step alone, 1.5 thousand when peers' allocations had left the heap grown,
+#: i.e. a method's time depended on which others ran in the same process. With these two settings no step
+#: faults after warm-up, non-DP and DP alike, and the ratios measure the arithmetic. Users on the CPU can
+#: set the same variables; on a GPU the caching allocator already does this.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
 
 
 def median(xs: Iterable[float]) -> float:

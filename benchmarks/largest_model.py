@@ -75,7 +75,8 @@ def trial_config(args, label: str, stage: int, method: str, d: int, offload: boo
         kw["strategy_kw"] = dict(offload_optimizer=True, offload_parameters=True)
         kw["ds_config"] = {"zero_force_ds_cpu_optimizer": False}
     return lightning_case(f"{label}/d{d}", method, model="gpt", model_kw=model_kw(d, args), stage=stage,
-                          world=args.world, batch=args.batch, warmup=0, steps=1, memory_step=False, **kw)
+                          world=args.world, batch=args.batch, warmup=0, steps=1, memory_step=False,
+                          default_malloc=True, **kw)
 
 
 class Search:

@@ -4,7 +4,8 @@ A configuration (a dict, see ``benchmarks.step_time.build_cases``) runs as ``cfg
 Lightning + DeepSpeed (``kind == "lightning"``, the ``torchrun`` environment set here so Lightning does not
 relaunch) or one process otherwise, each ``python -m benchmarks.step_time --worker CFG --result RES``.
 With ``rss_limit_mb`` a watchdog reads every rank's resident set (``VmRSS``) ten times a second and kills
-the configuration once one rank crosses it (the memory budget of ``benchmarks.largest_model``).
+the configuration once one rank crosses it (the memory budget of ``benchmarks.largest_model``). Workers run
+with :data:`~benchmarks.common.STEADY_MALLOC` unless ``cfg['default_malloc']`` is true.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import median
+from benchmarks.common import STEADY_MALLOC, median
 
 ROOT = Path(__file__).resolve().parent.parent
 #: worker kinds that run as one process (the others run ``cfg['world']`` ranks)
@@ -51,6 +52,16 @@ def _warn_stale_build_locks() -> None:
               "every DeepSpeed CPU launch on this machine waits on it.", flush=True)
 
 
+def worker_env(cfg: dict, rank: int, n: int, port: int) -> dict:
+    """The environment of rank ``rank`` of ``n``: the ``torchrun`` variables, ``cfg['threads']`` OpenMP threads,
+    and :data:`~benchmarks.common.STEADY_MALLOC` unless ``cfg['default_malloc']``."""
+    malloc = {} if cfg.get("default_malloc") else STEADY_MALLOC
+    return dict(os.environ, **malloc, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
+                RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(n),
+                OMP_NUM_THREADS=str(cfg["threads"]), PYTHONWARNINGS="ignore",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def run_ranks(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[float] = None) -> tuple:
     """Run one worker configuration in fresh processes (``cfg['world']`` ranks unless ``cfg['kind']`` is a
     one-process kind); returns ``(ranks, extra)``: every rank's result dict (None on failure) and the launch's
@@ -66,10 +77,7 @@ def run_ranks(cfg: dict, logdir: Path, timeout: float, rss_limit_mb: Optional[fl
         port = _free_port()
         procs, logs = [], []
         for rank in range(n):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
-                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(n),
-                       OMP_NUM_THREADS=str(cfg["threads"]), PYTHONWARNINGS="ignore",
-                       PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env = worker_env(cfg, rank, n, port)
             log = logdir / f"{tag}.rank{rank}.log"
             logs.append(log)
             res = logdir / f"{tag}.rank{rank}.result.json"

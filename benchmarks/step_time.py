@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import CLIP, RESULTS, SIGMA, machine_info, md_table, write_json  # noqa: F401 (re-exported)
+from benchmarks.common import (CLIP, RESULTS, SIGMA, STEADY_MALLOC, machine_info, md_table,  # noqa: F401
+                               write_json)  # (re-exported)
 from benchmarks.launch import ROOT, launch  # noqa: F401 (re-exported: benchmarks.gpu launches through here)
 from benchmarks.models import build_model, linear_shapes, make_data, model_floor, param_count, zero_model_states
 
@@ -351,7 +352,8 @@ def main(argv=None) -> dict:
     facts = {m: model_facts(m, model_kwargs(m, args), args.world)
              for m in dict.fromkeys(c["model"] for c in cases)}
     res = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "result")},
-           "sigma": SIGMA, "C": CLIP, "machine_before": machine_info(), "facts": facts, "results": []}
+           "sigma": SIGMA, "C": CLIP, "malloc_env": STEADY_MALLOC, "machine_before": machine_info(), "facts": facts,
+           "results": []}
     t_start = time.time()
     for cfg in cases:
         r = launch(cfg, logdir, args.timeout)

@@ -175,6 +175,22 @@ def test_the_largest_model_search_measures_one_training_step_and_no_profiled_one
     assert takes_memory_step(step)
 
 
+def test_timed_workers_run_with_a_steady_allocator_and_the_memory_search_with_the_default():
+    """Timings without glibc's page-fault churn (``STEADY_MALLOC``); the largest-model budget with the allocator a
+    user runs."""
+    from benchmarks.common import STEADY_MALLOC
+    from benchmarks.launch import worker_env
+    from benchmarks.step_time import lightning_case
+
+    step = lightning_case("gpt/zero2", "all", model="gpt", model_kw={}, stage=2, world=2, batch=8, warmup=2,
+                          steps=5)
+    env = worker_env(step, 1, 2, 12345)
+    assert {k: env[k] for k in STEADY_MALLOC} == STEADY_MALLOC and env["RANK"] == "1"
+    trial = largest_model.trial_config(_args(), "ZeRO-3", 3, "nondp", 64, False)
+    env = worker_env(trial, 0, 2, 12345)
+    assert all(env.get(k) == os.environ.get(k) for k in STEADY_MALLOC)
+
+
 def test_the_largest_model_table_and_targets_show_two_pass_where_it_was_searched():
     lm = {"args": {"budget_mb": 2048.0, "world": 2}, "footprint_mb": 480.0, "configs": [{
         "label": "ZeRO-3 + offload", "stage": 3, "predicted_d": 64, "formula_psi": 100,
