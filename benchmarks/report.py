@@ -178,9 +178,12 @@ def summary(st: dict) -> str:
         "(1.20× = 20% more). The time ratios come from DP and non-DP steps taken in turn in the same processes "
         "(the median over the rounds): on this shared machine a core's speed drifts by up to 1.5× within "
         "seconds, so two separate runs a minute apart differ by up to ±0.4 in a ratio, while steps taken in "
-        "turn see the same speed (*Reading the results* below). Steps also pay page faults, as PyTorch's CPU "
-        "allocator returns memory to the system and takes it back, and how many depends on what the process "
-        "ran before: on the small CNN that moved a ratio by up to 0.2 (*Against the targets* below).",
+        "turn see the same speed (*Reading the results* below). "
+        + ("Every timed process keeps its freed memory (glibc's allocator settings under *Machine*), so no step "
+           "pays page faults that depend on what the process ran before." if st.get("malloc_env") else
+           "Steps also pay page faults, as PyTorch's CPU allocator returns memory to the system and takes it "
+           "back, and how many depends on what the process ran before: on the small CNN that moved a ratio by "
+           "up to 0.2 (*Against the targets* below)."),
         "",
     ]
     for model in ("gpt", "gpt-wide", "gpt-lora", "cnn"):

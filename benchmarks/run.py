@@ -186,14 +186,15 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         "leaves out the time other jobs held the cores; wall-clock ratios are shown beside them. CPU time "
         "still carries the speed of the core, which drifts on this machine: the interleaved ratios compare "
         "steps taken seconds apart on the same cores.",
-        "* Allocator: every timed process runs with "
-        + ", ".join(f"`{k}={v}`" for k, v in STEADY_MALLOC.items())
+        ("* Allocator: every timed process runs with "
+        + ", ".join(f"`{k}={v}`" for k, v in st["malloc_env"].items())
         + ". With glibc's defaults a step's large tensors come from fresh pages that are returned and faulted "
         "in again on every step, and how often depends on what else ran in the process (the non-DP CNN step "
         "paid 11–13 thousand page faults alone, 1.5 thousand beside the DP methods): the ratios measured the "
         "allocator as much as the arithmetic. With these settings no step faults after warm-up. The "
         "largest-model search keeps the defaults, as a user's run would. On the CPU you can set the same two "
-        "variables for your own training; on a GPU the caching allocator already keeps its memory.",
+        "variables for your own training; on a GPU the caching allocator already keeps its memory."
+         if st and st.get("malloc_env") else "* Allocator: glibc's default settings."),
         "",
     ]
     if st:
