@@ -336,12 +336,12 @@ def main(argv=None) -> None:
     pl_path, st_path = RESULTS / "per_layer_cpu.json", RESULTS / "step_time_cpu.json"
     rnn_path = RESULTS / "per_layer_rnn_cpu.json"
     t0 = time.time()
-    if not args.render_only and any(os.environ.get(k) != v for k, v in STEADY_MALLOC.items()):
-        # glibc reads these when the process starts: the in-process benchmarks (per-layer, engine profile) get
-        # them by running this command again with them set; the launched workers get them from benchmarks.launch
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)],
-                  {**os.environ, **STEADY_MALLOC})
     if not args.render_only:
+        if any(os.environ.get(k) != v for k, v in STEADY_MALLOC.items()):
+            # glibc reads these when the process starts: the in-process benchmarks (per-layer, engine profile)
+            # get them by running this command again with them set; launched workers get them from benchmarks.launch
+            os.execve(sys.executable, [sys.executable, "-m", "benchmarks.run",
+                                       *(sys.argv[1:] if argv is None else argv)], {**os.environ, **STEADY_MALLOC})
         print("load average before:", load_average(), flush=True)
         if not args.skip_per_layer:
             per_layer.main(["--out", str(pl_path)])

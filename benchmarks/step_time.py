@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (CLIP, RESULTS, SIGMA, STEADY_MALLOC, machine_info, md_table,  # noqa: F401
-                               write_json)  # (re-exported)
+from benchmarks.common import CLIP, RESULTS, SIGMA, machine_info, md_table, write_json  # noqa: F401 (re-exported)
+from benchmarks.common import STEADY_MALLOC
 from benchmarks.launch import ROOT, launch  # noqa: F401 (re-exported: benchmarks.gpu launches through here)
 from benchmarks.models import build_model, linear_shapes, make_data, model_floor, param_count, zero_model_states
 
