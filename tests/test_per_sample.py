@@ -513,3 +513,48 @@ def test_a_parameter_unfrozen_after_attach_is_refused_at_the_next_micro_batch():
     with pytest.raises(UnsupportedLayerError, match=r"2 parameter\(s\) became trainable.*'0.weight', '0.bias'.*"
                                                      r"Set requires_grad before trainer.fit"):
         engine.start_micro_batch(3)
+
+
+def _linear_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+def test_a_backward_forms_no_zeros_for_the_gradients_it_returns_and_sums_each_bias_s_rows_once(clipping):
+    """The engine's per-call overhead: where a site returns its clipped sums (layer-wise) it forms no
+    parameter-sized tensor of zeros beside them (a zero default evaluated for every parameter cost a memset of
+    the whole model per step), and each call sums its output gradient over the rows once for a bias, at its norm,
+    not again for its clipped sum (under all-layer clipping, when those rows are no longer in cache). The
+    gradients stay the oracle's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_dpzero.per_sample.linear import LinearRule
+
+    x, y = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(2)), torch.arange(8) % 3
+    model = _linear_stack()
+    ref = clipped_sum(model, per_example_grads(model, lambda o, t: nn.functional.cross_entropy(o.mean(1), t), x, y),
+                      0.5, clipping=clipping)
+
+    class Zeros(TorchDispatchMode):
+        shapes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.zeros_like.default, torch.ops.aten.zeros.default):
+                self.shapes.append(tuple(args[0].shape) if func is torch.ops.aten.zeros_like.default else args[0])
+            return func(*args, **(kwargs or {}))
+
+    model = _linear_stack()
+    engine = PerSampleEngine(model, 0.5, clipping).attach()
+    calls = []
+    real = LinearRule._bias_rows
+    with mock.patch.object(LinearRule, "_bias_rows", lambda self, m, g: calls.append(m) or real(self, m, g)):
+        with engine.micro_batch(batch_size=8):
+            loss = nn.functional.cross_entropy(model(x).mean(1), y)
+            with Zeros() as zeros:
+                loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert len(calls) == 3, f"{len(calls)} row sums for 3 biases"
+    if clipping == "layer-wise":
+        assert not zeros.shapes, zeros.shapes

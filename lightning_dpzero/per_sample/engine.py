@@ -332,7 +332,9 @@ class PerSampleEngine:
     def _returned(self, ids: list, params, out: dict[int, torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """What a site's backward returns for its parameters: the sums in ``out`` (zeros for the others, which
         are deferred or have none), recorded for the guard."""
-        grads = [out.get(i, torch.zeros_like(p)) if i is not None else None for i, p in zip(ids, params)]
+        # (not ``out.get(i, zeros_like(p))``: that would fill a parameter-sized tensor of zeros for every
+        # parameter, returned or not, on every call)
+        grads = [None if i is None else out[i] if i in out else torch.zeros_like(p) for i, p in zip(ids, params)]
         for i, gr in zip(ids, grads):
             if i is not None:
                 self._add(self._emitted, i, gr)

@@ -85,6 +85,10 @@ class LinearRule(LayerRule):
                 site.kept["per_example"] = (parts, pb)
             else:
                 w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
+        if bias and "per_example" not in site.kept:
+            # (B, p): kept for the clipped sum, which would otherwise sum the output gradient's rows again, later,
+            # when (all-layer clipping) they are no longer in cache
+            site.kept["bias_rows"] = pb
         return [w, pb.pow(2).sum(1) if bias else None]
 
     def per_example(self, site, mask):
@@ -106,7 +110,9 @@ class LinearRule(LayerRule):
             w = (weighted_sum_parts(kept[0], coef).to(site.dtype) if kept is not None
                  else self._weighted_weight(module, x, g, coef))
         if len(mask) > 1 and mask[1]:
-            pb = kept[1] if kept is not None and kept[1] is not None else self._bias_rows(module, g)
+            rows = site.kept.pop("bias_rows", None)
+            pb = (kept[1] if kept is not None and kept[1] is not None else rows if rows is not None
+                  else self._bias_rows(module, g))
             b = weighted_sum(pb, coef).to(site.dtype)
         return [w, b]
 
