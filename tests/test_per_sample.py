@@ -537,7 +537,9 @@ def test_a_backward_forms_no_zeros_for_the_gradients_it_returns_and_sums_each_bi
                       0.5, clipping=clipping)
 
     class Zeros(TorchDispatchMode):
-        shapes: list = []
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.zeros_like.default, torch.ops.aten.zeros.default):

@@ -82,10 +82,10 @@ class LinearRule(LayerRule):
             if path == "reuse":  # kept on the site for its clipped sum
                 parts = self._instantiate_parts(module, x, g)
                 w = torch.cat([per_example_sq(part) for part in parts]) if len(parts) > 1 else per_example_sq(parts[0])
-                site.kept["per_example"] = (parts, pb)
+                site.kept["per_example"] = parts
             else:
                 w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
-        if bias and "per_example" not in site.kept:
+        if bias:
             # (B, p): kept for the clipped sum, which would otherwise sum the output gradient's rows again, later,
             # when (all-layer clipping) they are no longer in cache
             site.kept["bias_rows"] = pb
@@ -98,22 +98,19 @@ class LinearRule(LayerRule):
         return [w, b]
 
     def releases_rows(self, site):
-        kept = site.kept.get("per_example")
         bias = getattr(site.module, "bias", None)
-        return kept is not None and (kept[1] is not None or bias is None or not bias.requires_grad)
+        return "per_example" in site.kept and ("bias_rows" in site.kept or bias is None or not bias.requires_grad)
 
     def clipped_grads(self, site, coef, mask):
         module, x, g = site.module, site.x, site.g
         w = b = None
-        kept = site.kept.pop("per_example", None) if mask[0] else None
         if mask[0]:
-            w = (weighted_sum_parts(kept[0], coef).to(site.dtype) if kept is not None
+            parts = site.kept.pop("per_example", None)
+            w = (weighted_sum_parts(parts, coef).to(site.dtype) if parts is not None
                  else self._weighted_weight(module, x, g, coef))
         if len(mask) > 1 and mask[1]:
-            rows = site.kept.pop("bias_rows", None)
-            pb = (kept[1] if kept is not None and kept[1] is not None else rows if rows is not None
-                  else self._bias_rows(module, g))
-            b = weighted_sum(pb, coef).to(site.dtype)
+            pb = site.kept.pop("bias_rows", None)
+            b = weighted_sum(pb if pb is not None else self._bias_rows(module, g), coef).to(site.dtype)
         return [w, b]
 
     def add_clipped_grads(self, site, coef, mask, into):
