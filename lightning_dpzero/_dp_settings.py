@@ -10,7 +10,7 @@ from torch import nn
 from . import _refusals
 from ._options import LossReduction, check_option
 from ._reduction import output_hook_managers, output_hooks_suspended
-from ._zero3_trace import keep_release_decisions_fresh
+from ._zero3_trace import another_backward_follows, keep_release_decisions_fresh
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_clipping_groups
@@ -62,6 +62,7 @@ class DPSettings:
         each example's contribution), and keep the hooks DeepSpeed's forward puts on its outputs, which
         :meth:`norms_pass` suspends."""
         self._output_hooks: list = []
+        self._deepspeed_engine = deepspeed_engine  # ZeRO-3's state after the norms pass (another_backward_follows)
         if self.per_sample is None or not self.per_sample.two_pass:
             return
         if deepspeed_engine.fp16_enabled():
@@ -79,5 +80,5 @@ class DPSettings:
         """Two-pass clipping's first backward pass on ``loss`` (a no-op otherwise), unseen by DeepSpeed, whose own
         backward of ``loss`` follows (``PerSampleEngine.norms_pass``)."""
         if self.per_sample.two_pass:
-            with output_hooks_suspended(self._output_hooks):
+            with output_hooks_suspended(self._output_hooks), another_backward_follows(self._deepspeed_engine):
                 self.per_sample.norms_pass(loss)

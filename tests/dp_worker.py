@@ -113,6 +113,33 @@ class CountBarriers(L.Callback):
             json.dump(self.counts, f)
 
 
+class PeakGathered(L.Callback):
+    """The most parameter elements ZeRO-3 holds gathered at once in a backward pass, over the fit: read after each
+    of its coordinator's fetches from a module's backward (DeepSpeed 0.19's ``fetch_sub_module``)."""
+
+    def __init__(self):
+        self.peak, self.model = 0, None
+
+    def setup(self, trainer, module, stage):
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coord
+
+        self.model, self._fetch = module, Coord.fetch_sub_module
+
+        def fetch(coord, submodule, forward, *args, **kwargs):
+            out = self._fetch(coord, submodule, forward, *args, **kwargs)
+            if not forward:
+                self.peak = max(self.peak, sum(p.ds_numel for p in self.model.parameters()
+                                               if p.ds_status.name == "AVAILABLE"))
+            return out
+
+        Coord.fetch_sub_module = fetch
+
+    def teardown(self, trainer, module, stage):
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coord
+
+        Coord.fetch_sub_module = self._fetch
+
+
 def gathered_params(model, stage):
     params = list(model.parameters())
     if stage == 3:
@@ -135,6 +162,8 @@ def run_case(case, out_dir, devices):
     if case.get("count_barriers"):
         rank = int(os.environ.get("RANK", "0"))
         callbacks.append(CountBarriers(os.path.join(out_dir, f"{case['name']}.barriers{rank}.json")))
+    if case.get("count_gathered"):
+        callbacks.append(PeakGathered())
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
@@ -178,6 +207,8 @@ def run_case(case, out_dir, devices):
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),
                     "deepspeed_global_steps": int(strategy.deepspeed_engine.global_steps),
                     "zero3_whole_params": sum(bool(getattr(p, "ds_persist", False)) for p in module.parameters()),
+                    "peak_gathered_in_backward": callbacks[-1].peak if case.get("count_gathered") else None,
+                    "param_numel": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),
                     "epsilon": float(callbacks[0].epsilon()),
                     "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},
                    os.path.join(out_dir, f"{name}.pt"))

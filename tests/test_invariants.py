@@ -54,10 +54,13 @@ def _cases(world_size):
     cases.append(dict(BASE, name="i2_2pass_vit_s3", model="vit", stage=3, clipping="all-layer",
                       clipping_mode="two-pass"))
     # ZeRO-3 keeps parameters below its persistence threshold whole; at 0 every parameter is partitioned, so
-    # each backward pass gathers them (DeepSpeed counts one backward per forward)
+    # each backward pass gathers them (DeepSpeed counts one backward per forward), and at reuse distance 0 it
+    # releases each module's parameters after its backward also once its trace is complete
     for mode in ("two-pass", "book-keeping"):
         cases.append(dict(BASE, name=f"i2_{mode}_partitioned_s3_a2", stage=3, accumulate=2, clipping="all-layer",
-                          clipping_mode=mode, zero_config={"stage3_param_persistence_threshold": 0}))
+                          clipping_mode=mode, count_gathered=True,
+                          zero_config={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                       "stage3_prefetch_bucket_size": 0}))
     # the per-step sums of the DP pieces are one all-reduce each, with no barrier (a second round trip) before
     cases.append(dict(BASE, name="i2_barriers_s2_a2", stage=2, accumulate=2, count_barriers=True))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2
@@ -130,6 +133,16 @@ def test_zero3_partitioned_cases_partition_every_parameter(runs):
         assert res["zero3_whole_params"] == 0, case["name"]
     # and the default threshold keeps the small test models' parameters whole
     assert _by_prefix(runs, "i2_2pass_s3")[0][2]["zero3_whole_params"] > 0
+
+
+def test_zero3_two_pass_releases_each_module_after_its_backward_as_one_pass_does(runs):
+    # ZeRO-3 counts one backward per forward and module; DeepSpeed's backward follows the norms pass, and with
+    # its counters used up there it gathered every module's parameters and released none until the pass ended
+    peak = {mode: res["peak_gathered_in_backward"] for mode in ("two-pass", "book-keeping")
+            for ws, case, res in _by_prefix(runs, f"i2_{mode}_partitioned")}
+    total = _by_prefix(runs, "i2_two-pass_partitioned")[0][2]["param_numel"]
+    assert 0 < peak["book-keeping"] < total, (peak, total)  # the model spans several modules: not vacuous
+    assert peak["two-pass"] <= peak["book-keeping"], (peak, total)
 
 
 def test_the_dp_pieces_add_no_barrier_to_a_training_batch(runs):
