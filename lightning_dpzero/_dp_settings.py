@@ -74,7 +74,6 @@ class DPSettings:
             self._output_hooks = output_hook_managers(outputs)
 
         deepspeed_engine.register_forward_hook(keep)
-        self.per_sample.refuse_recompute = deepspeed_engine.zero_optimization_stage() == 3
 
     def norms_pass(self, loss) -> None:
         """Two-pass clipping's first backward pass on ``loss`` (a no-op otherwise), unseen by DeepSpeed, whose own

@@ -18,6 +18,22 @@ class TokenNet(nn.Module):
         return self.head(self.ln(torch.tanh(self.lin(self.emb(x)))).mean(1))
 
 
+class CheckpointedNet(nn.Module):
+    """TokenNet with its middle block (Linear → tanh → LayerNorm → Linear) under non-reentrant activation
+    checkpointing: the block's forward runs again in every backward pass."""
+
+    def __init__(self, vocab=13, d=8, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=0)
+        self.block = nn.Sequential(nn.Linear(d, 12), nn.Tanh(), nn.LayerNorm(12), nn.Linear(12, 12))
+        self.head = nn.Linear(12, classes)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(torch.tanh(checkpoint(self.block, self.emb(x), use_reentrant=False)).mean(1))
+
+
 class ConvNet(nn.Module):
     """Conv2d → GroupNorm → Linear."""
 
@@ -154,13 +170,13 @@ def build_model(kind):
         import zoo
 
         return zoo.build(kind[4:])
-    return {"token": TokenNet, "conv": ConvNet, "wide": WideNet, "wide2": WideTwoLayers, "vit": TinyViT,
+    return {"token": TokenNet, "ckpt": CheckpointedNet, "conv": ConvNet, "wide": WideNet, "wide2": WideTwoLayers, "vit": TinyViT,
             "rnn": RNNLM, "bag": BagNet,
             "timefirst": TimeFirstNet, "generic": GenericNet}[kind]()
 
 
 #: models the harness checks with a backward per example (loop) instead of torch.func (vmap cannot batch them)
-LOOP_ORACLE = {"rnn", "bag"}
+LOOP_ORACLE = {"rnn", "bag", "ckpt"}
 
 
 def make_dataset(kind, n):
@@ -174,7 +190,7 @@ def make_dataset(kind, n):
         x[torch.arange(6) >= torch.randint(1, 7, (n, 1), generator=g)] = 0
         if kind == "rnn":
             return x, torch.randint(0, 13, (n, 6), generator=g)
-    elif kind in ("token", "generic"):
+    elif kind in ("token", "generic", "ckpt"):
         x = torch.randint(0, 13, (n, 6), generator=g)
     elif kind == "timefirst":
         x = torch.randn(n, 3, 4, generator=g)

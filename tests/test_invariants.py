@@ -61,6 +61,14 @@ def _cases(world_size):
                           clipping_mode=mode, count_gathered=True,
                           zero_config={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                        "stage3_prefetch_bucket_size": 0}))
+    # non-reentrant activation checkpointing under two-pass on ZeRO-3: the block recomputes in both passes, and
+    # ZeRO-3 gathers its parameters for each (also with every parameter partitioned and no prefetch)
+    cases.append(dict(BASE, name="i2_2pass_ckpt_s3_a2", model="ckpt", stage=3, accumulate=2, clipping="all-layer",
+                      clipping_mode="two-pass"))
+    cases.append(dict(BASE, name="i2_2pass_ckpt_partitioned_s3_a2", model="ckpt", stage=3, accumulate=2,
+                      clipping="all-layer", clipping_mode="two-pass",
+                      zero_config={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                   "stage3_prefetch_bucket_size": 0}))
     # the per-step sums of the DP pieces are one all-reduce each, with no barrier (a second round trip) before
     cases.append(dict(BASE, name="i2_barriers_s2_a2", stage=2, accumulate=2, count_barriers=True))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2

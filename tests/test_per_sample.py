@@ -479,28 +479,6 @@ def test_two_pass_refuses_reentrant_checkpointing_naming_the_fix():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_two_pass_refuses_a_recomputation_inside_the_norms_pass_where_asked():
-    # on ZeRO-3 the strategies set refuse_recompute: a checkpointed block recomputing in the norms pass is refused
-    # at the first micro-batch, before any gradient is formed
-    from torch.utils.checkpoint import checkpoint
-
-    class Checkpointed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
-
-        def forward(self, x):
-            return self.head(checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False)).mean(1)
-
-    model = Checkpointed()
-    engine = PerSampleEngine(model, 0.05, "all-layer", clipping_mode="two-pass").attach()
-    engine.refuse_recompute = True
-    with pytest.raises(UnsupportedLayerError, match=r"ZeRO-3 does not support activation checkpointing: Linear 'a'"):
-        with engine.micro_batch(batch_size=5):
-            backward(engine, nn.functional.cross_entropy(model(torch.randn(5, 4, 8)), torch.randint(0, 3, (5,))))
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_a_parameter_unfrozen_after_attach_is_refused_at_the_next_micro_batch():
     # e.g. Lightning's BaseFinetuning unfreezing a backbone during fit: no clipping group holds the parameter, so it
     # would silently never train

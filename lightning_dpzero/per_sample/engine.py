@@ -41,7 +41,7 @@ from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_no
 from .layout import batch_checked_input, run_layout_check
 from . import sums
 from .maths import InputGrams
-from .two_pass import clip_site, norms_pass, recompute_refused
+from .two_pass import clip_site, norms_pass
 from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
@@ -95,7 +95,6 @@ class PerSampleEngine:
         self.clipping_mode, self.two_pass = clipping_mode, False
         self.phase: Optional[str] = None  # two-pass: "norms" during the first backward, "clip" until the second ends
         self.pass_coefficients: dict[int, torch.Tensor] = {}  # two-pass: per group, the first pass's c_i
-        self.refuse_recompute = False  # two-pass on ZeRO-3: a forward inside the norms pass is refused (two_pass.py)
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
         self._layout = None  # the layout check's recorder while it runs (layout.py)
@@ -239,8 +238,6 @@ class PerSampleEngine:
             self._record_call(hook, (x, *extra[0]), extra[1])
             return hook.original_forward(x, extra)
         x = batch_checked_input(hook, x, extra, self.expected_batch_size)
-        if self.phase == "norms" and self.refuse_recompute:
-            raise recompute_refused(hook)
         self._register_site(hook)
         return run_call(hook, x, hook.rule.params(hook.module), extra)
 

@@ -56,21 +56,6 @@ def norms_pass(engine, loss: torch.Tensor) -> None:
     engine.phase = "clip"
 
 
-def recompute_refused(hook) -> Exception:
-    """The refusal of a layer's forward inside the norms pass on ZeRO-3 (``engine.refuse_recompute``): a block
-    under activation checkpointing recomputes there, and with DeepSpeed 0.19.8's ZeRO-3 the second pass of such
-    a run was measured to reach a layer whose parameters were released (a crash after the first update), so it
-    is refused at the first micro-batch, before any update."""
-    from .base import UnsupportedLayerError
-
-    return UnsupportedLayerError(
-        f"clipping_mode='two-pass' on ZeRO-3 does not support activation checkpointing: "
-        f"{type(hook.module).__name__} '{hook.name}' ran its forward again inside the norms pass (a checkpointed "
-        "block's recomputation), and ZeRO-3's parameter gathering does not follow a second backward pass "
-        "through recomputed blocks. Use clipping_mode='book-keeping' with checkpointing, or turn activation "
-        "checkpointing off, or train on ZeRO-2.")
-
-
 def clip_site(engine, site) -> dict[int, torch.Tensor]:
     """Pass 2 at one site: ``Σ_i c_i · g_i`` of each of its parameters, keyed by parameter id, with its group's
     coefficients from pass 1 (``sums.site_clipped``, as a layer-wise site forms them)."""
