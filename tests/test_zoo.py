@@ -128,6 +128,12 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
     # a user's own layer through the generic rule (torch.func oracle), in the same launch
     cases += [dict(cases[0], name=f"generic_{clip}", model="generic", clipping=clip, oracle="func")
               for clip in ("all-layer", "layer-wise")]
+    # Llama with HuggingFace's non-reentrant activation checkpointing under two-pass clipping: each decoder layer
+    # recomputes in both backward passes, and ZeRO-3 (every parameter partitioned, no prefetch) gathers it for each
+    cases.append(dict(cases[0], name="zoo_llama_checkpointed_two_pass", model="zoo:llama_checkpointed",
+                      clipping="all-layer", clipping_mode="two-pass",
+                      zero_config={"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                                   "stage3_max_reuse_distance": 0}))
     results = run_cases(cases, tmp_path, world_size=2, timeout=900)
     for case in cases:
         res = results[case["name"]]

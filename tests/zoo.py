@@ -119,12 +119,19 @@ ZOO = {
     "gpt2": (lambda: LM(_gpt2()), "lm"),
     "llama": (lambda: LM(_decoder("llama")), "lm"),
     "qwen2": (lambda: LM(_decoder("qwen2")), "lm"),
+    "llama_checkpointed": (lambda: LM(_checkpointed(_decoder("llama"))), "lm"),
     "mistral": (lambda: LM(_decoder("mistral")), "lm"),
     "t5": (lambda: _frozen(Seq2Seq(_t5())), "seq2seq"),
     "t5_unfrozen": (lambda: Seq2Seq(_t5()), "seq2seq"),
     "bert": (lambda: Classifier(_bert(), "input_ids"), "cls"),
     "vit": (lambda: Classifier(_vit(), "pixel_values"), "image"),
 }
+
+
+def _checkpointed(model):
+    """HuggingFace's non-reentrant activation checkpointing on: each decoder layer recomputes in the backward."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def _frozen(model):
