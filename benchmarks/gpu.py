@@ -9,7 +9,7 @@ Configurations (one process launch each, ``benchmarks.step_time`` workers):
 
 * Lightning + DeepSpeed on 1 GPU, micro-batch ``--batch`` (default 32), ``--precision`` (default
   bf16-mixed): non-DP and DP layer-wise / all-layer at ZeRO-0 and ZeRO-3, group-wise and automatic
-  clipping at ZeRO-3, LoRA DP vs non-DP;
+  clipping at ZeRO-3, LoRA DP vs non-DP; and ZeRO-3 in fp16 (DeepSpeed's loss-scaled ``16-mixed``);
 * one process, batch ``--single-batch`` (default 128), fp32 with TF32 matmuls: non-DP, ours (layer-wise,
   all-layer), Opacus hooks and ghost, torch.func, and the naive per-example loop: the speed-up of our
   engine over the naive loop at batch 128 is printed last.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +37,10 @@ from benchmarks.common import machine_info, write_json
 #: run first (the headline ratios: DP against non-DP, ours against Opacus), then the rest while time remains
 PRIORITY = ["gpt/1proc/nondp", "gpt/1proc/ours-all", "gpt/1proc/naive", "gpt/zero0/nondp", "gpt/zero0/layer",
             "gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all", "gpt/1proc/opacus-hooks",
-            "gpt/1proc/ours-layer", "gpt-lora/zero3/nondp", "gpt-lora/zero3/layer"]
+            "gpt/zero3-fp16/nondp", "gpt/zero3-fp16/layer", "gpt/zero3-fp16/all", "gpt/1proc/ours-layer",
+            "gpt-lora/zero3/nondp", "gpt-lora/zero3/layer"]
+#: the fp16 (16-mixed) configurations, renamed from ZeRO-3's
+FP16 = ("gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all")
 
 
 def main(argv=None) -> dict:
@@ -70,6 +74,10 @@ def main(argv=None) -> dict:
         args.budget_s = 1e9
     sargs = step_time.parse_args(st_argv)
     cases = step_time.build_cases(sargs)
+    if not args.smoke:  # DeepSpeed's fp16 (loss-scaled) on ZeRO-3 beside the bf16 cases; its CPU build refuses fp16
+        fp16 = step_time.build_cases(step_time.parse_args(st_argv + ["--precision", "16-mixed", "--lora-rank", "0"]))
+        cases += [dict(c, name=c["name"].replace("gpt/zero3/", "gpt/zero3-fp16/"), group="gpt/zero3-fp16",
+                       baseline="gpt/zero3-fp16/nondp") for c in fp16 if c["name"] in FP16]
     rank = {n: i for i, n in enumerate(PRIORITY)}
     cases.sort(key=lambda c: rank.get(c["name"], len(PRIORITY)))
     # a baseline must run before the cases compared with it
@@ -81,8 +89,8 @@ def main(argv=None) -> dict:
         if c["name"] not in names:
             ordered.append(c)
             names.add(c["name"])
-    logdir = Path(os.environ.get("OUT", "/tmp")) / "logs" if not args.smoke else Path("/tmp/dpzero-gpu-smoke")
-    logdir.mkdir(parents=True, exist_ok=True)
+    # the workers' logs stay on the machine (a failed configuration's tail is in the JSON): $OUT brings back few files
+    logdir = Path(tempfile.mkdtemp(prefix="dpzero-gpu-logs-"))
     facts = {m: step_time.model_facts(m, step_time.model_kwargs(m, sargs), 1)
              for m in dict.fromkeys(c["model"] for c in ordered)}
     res = {"args": vars(sargs), "gpu_args": vars(args), "sigma": step_time.SIGMA, "C": step_time.CLIP,

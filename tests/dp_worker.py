@@ -146,8 +146,8 @@ def gathered_params(model, stage):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(params):
-            return {n: p.detach().clone().float() for n, p in model.named_parameters()}
-    return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+            return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def run_case(case, out_dir, devices):
@@ -169,10 +169,10 @@ def run_case(case, out_dir, devices):
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
         clipping_groups=case.get("clipping_groups"), clipping_mode=case.get("clipping_mode", "book-keeping"),
         seed=case.get("seed", 1234), secure_mode=case.get("secure_mode", False),
-        max_micro_batch_size=case.get("max_micro_batch_size"))
+        max_micro_batch_size=case.get("max_micro_batch_size"), **case.get("strategy_kwargs", {}))
     strategy.config.setdefault("zero_optimization", {}).update(case.get("zero_config", {}))
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices // case.get("num_nodes", 1),
+        strategy=strategy, accelerator=case.get("accelerator", "cpu"), devices=devices // case.get("num_nodes", 1),
         num_nodes=case.get("num_nodes", 1), max_steps=case["steps"],
         max_epochs=case.get("max_epochs"),  # -1 with steps=-1: unbounded (the privacy budget stops it)
         limit_train_batches=case.get("limit_train_batches"),
@@ -206,8 +206,9 @@ def run_case(case, out_dir, devices):
         torch.save({"init": init, "final": final, "ledger": strategy.ledger.to_dict(),
                     "global_step": trainer.global_step, "plan": vars(strategy.plan),
                     "deepspeed_global_steps": int(strategy.deepspeed_engine.global_steps),
+                    "deepspeed_skipped_steps": int(getattr(strategy.deepspeed_engine, "skipped_steps", 0)),
                     "zero3_whole_params": sum(bool(getattr(p, "ds_persist", False)) for p in module.parameters()),
-                    "peak_gathered_in_backward": callbacks[-1].peak if case.get("count_gathered") else None,
+                    "peak_gathered_in_backward": next((c.peak for c in callbacks if isinstance(c, PeakGathered)), None),
                     "param_numel": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),
                     "epsilon": float(callbacks[0].epsilon()),
                     "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},

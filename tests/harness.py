@@ -15,6 +15,11 @@ from oracle import clipped_sum, loop_per_example_grads, per_example_grads, per_e
 
 HERE = Path(__file__).parent
 
+#: a case's ``zero_config`` that partitions every ZeRO-3 parameter (no persistence threshold), prefetches none
+#: and releases each module's parameters after use (reuse distance 0): each backward pass must gather them
+ZERO3_EVERY_PARAM_PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                 "stage3_prefetch_bucket_size": 0}
+
 
 def _free_port():
     with socket.socket() as s:

@@ -170,9 +170,8 @@ def build_model(kind):
         import zoo
 
         return zoo.build(kind[4:])
-    return {"token": TokenNet, "ckpt": CheckpointedNet, "conv": ConvNet, "wide": WideNet, "wide2": WideTwoLayers, "vit": TinyViT,
-            "rnn": RNNLM, "bag": BagNet,
-            "timefirst": TimeFirstNet, "generic": GenericNet}[kind]()
+    return {"token": TokenNet, "ckpt": CheckpointedNet, "conv": ConvNet, "wide": WideNet, "wide2": WideTwoLayers,
+            "vit": TinyViT, "rnn": RNNLM, "bag": BagNet, "timefirst": TimeFirstNet, "generic": GenericNet}[kind]()
 
 
 #: models the harness checks with a backward per example (loop) instead of torch.func (vmap cannot batch them)

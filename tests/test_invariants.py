@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from harness import check_bf16_against_oracle, expected_params, run_cases
+from harness import ZERO3_EVERY_PARAM_PARTITIONED, check_bf16_against_oracle, expected_params, run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,8 @@ def _cases(world_size):
     cases.append(dict(BASE, name="i2_gw_patterns_s3", stage=3, clipping="group-wise",
                       clipping_groups=[["net.emb.*", "net.lin.*"], ["net.ln.*", "net.head.*"]]))
     cases.append(dict(BASE, name="i2_gw_optgroups_s0_a2", stage=0, accumulate=2, clipping="group-wise",
-                      clipping_groups="param_groups", opt_groups=[["net.emb.*"], ["net.lin.*", "net.ln.*", "net.head.*"]]))
+                      clipping_groups="param_groups",
+                      opt_groups=[["net.emb.*"], ["net.lin.*", "net.ln.*", "net.head.*"]]))
     # empty Poisson micro-batches (q·N/W = 1 expected example per rank and step): noise-only steps are valid
     cases.append(dict(BASE, name="i2_empty_s2_a2", stage=2, accumulate=2, batch_size=1, steps=4))
     # accumulation windows across epochs (2 per epoch): DeepSpeed's boundary follows the sampler's windows
@@ -59,16 +60,14 @@ def _cases(world_size):
     for mode in ("two-pass", "book-keeping"):
         cases.append(dict(BASE, name=f"i2_{mode}_partitioned_s3_a2", stage=3, accumulate=2, clipping="all-layer",
                           clipping_mode=mode, count_gathered=True,
-                          zero_config={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                       "stage3_prefetch_bucket_size": 0}))
+                          zero_config=ZERO3_EVERY_PARAM_PARTITIONED))
     # non-reentrant activation checkpointing under two-pass on ZeRO-3: the block recomputes in both passes, and
     # ZeRO-3 gathers its parameters for each (also with every parameter partitioned and no prefetch)
     cases.append(dict(BASE, name="i2_2pass_ckpt_s3_a2", model="ckpt", stage=3, accumulate=2, clipping="all-layer",
                       clipping_mode="two-pass"))
     cases.append(dict(BASE, name="i2_2pass_ckpt_partitioned_s3_a2", model="ckpt", stage=3, accumulate=2,
                       clipping="all-layer", clipping_mode="two-pass",
-                      zero_config={"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                   "stage3_prefetch_bucket_size": 0}))
+                      zero_config=ZERO3_EVERY_PARAM_PARTITIONED))
     # the per-step sums of the DP pieces are one all-reduce each, with no barrier (a second round trip) before
     cases.append(dict(BASE, name="i2_barriers_s2_a2", stage=2, accumulate=2, count_barriers=True))
     # raw parameters used by a forward (class token, position embedding), ZeRO-3 with accumulation and ZeRO-2

@@ -120,7 +120,7 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
     single-process replay from per-example gradients of the union batch (harness.expected_params). Shuffled
     fixed-size batches: HuggingFace's attention cannot run a micro-batch of zero examples (it reshapes with -1),
     which a Poisson-sampled rank may get."""
-    from harness import expected_params, run_cases
+    from harness import ZERO3_EVERY_PARAM_PARTITIONED, expected_params, run_cases
 
     cases = [dict(name=f"zoo_{k}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip, clipping_fn="abadi",
                   poisson=False, accumulate=1, steps=2, n=24, batch_size=3, lr=0.5, oracle="loop")
@@ -132,8 +132,7 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
     # recomputes in both backward passes, and ZeRO-3 (every parameter partitioned, no prefetch) gathers it for each
     cases.append(dict(cases[0], name="zoo_llama_checkpointed_two_pass", model="zoo:llama_checkpointed",
                       clipping="all-layer", clipping_mode="two-pass",
-                      zero_config={"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
-                                   "stage3_max_reuse_distance": 0}))
+                      zero_config=ZERO3_EVERY_PARAM_PARTITIONED))
     results = run_cases(cases, tmp_path, world_size=2, timeout=900)
     for case in cases:
         res = results[case["name"]]
