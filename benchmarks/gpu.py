@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -58,6 +59,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--precision", default="bf16-mixed")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per configuration")
+    ap.add_argument("--only", help="regular expression on configuration names (their baselines are kept)")
     args = ap.parse_args(argv)
     out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "step_time_gpu.json"))
     st_argv = ["--models", "gpt", "--world", "1", "--stages", "0,3", "--detail-stage", "3",
@@ -78,6 +80,10 @@ def main(argv=None) -> dict:
         fp16 = step_time.build_cases(step_time.parse_args(st_argv + ["--precision", "16-mixed", "--lora-rank", "0"]))
         cases += [dict(c, name=c["name"].replace("gpt/zero3/", "gpt/zero3-fp16/"), group="gpt/zero3-fp16",
                        baseline="gpt/zero3-fp16/nondp") for c in fp16 if c["name"] in FP16]
+    if args.only:  # a second run measures what a first left out: the configurations named, with their baselines
+        rx = re.compile(args.only)
+        wanted = {n for c in cases if rx.search(c["name"]) for n in (c["name"], c["baseline"])}
+        cases = [c for c in cases if c["name"] in wanted]
     rank = {n: i for i, n in enumerate(PRIORITY)}
     cases.sort(key=lambda c: rank.get(c["name"], len(PRIORITY)))
     # a baseline must run before the cases compared with it

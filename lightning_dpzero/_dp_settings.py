@@ -3,7 +3,8 @@ per-example engine they attach before DeepSpeed wraps the model (docs/design.md,
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -51,9 +52,11 @@ class DPSettings:
 
     def prepare_engine(self, deepspeed_engine) -> None:
         """Once DeepSpeed has initialised, before the first update: two-pass clipping's checks and hooks
-        (:meth:`prepare_clipping_mode`), and on ZeRO-3 release decisions that follow DeepSpeed's trace
+        (:meth:`prepare_clipping_mode`), with fp16 the check that DeepSpeed scales the loss it unscales
+        (:func:`fp16_loss_scale_check`), and on ZeRO-3 release decisions that follow DeepSpeed's trace
         (:func:`._zero3_trace.keep_release_decisions_fresh`)."""
         self.prepare_clipping_mode(deepspeed_engine)
+        self.mechanism.loss_factor_check = fp16_loss_scale_check(deepspeed_engine)
         keep_release_decisions_fresh(deepspeed_engine)
 
     def prepare_clipping_mode(self, deepspeed_engine) -> None:
@@ -81,3 +84,31 @@ class DPSettings:
         if self.per_sample.two_pass:
             with output_hooks_suspended(self._output_hooks), another_backward_follows(self._deepspeed_engine):
                 self.per_sample.norms_pass(loss)
+
+
+def fp16_loss_scale_check(deepspeed_engine) -> Optional[Callable[[float], None]]:
+    """With DeepSpeed's fp16 (``precision="16-mixed"``), a check of the factor on each loss in backward.
+
+    DeepSpeed's fp16 optimizer divides the gradients by its loss scale S before each update, so the loss must
+    reach backward multiplied by S (the factor the loss probe reads, times the accumulation steps, is S). DeepSpeed's
+    ``engine.backward`` skips that multiplication at ZeRO stage 0 in some versions (0.19), which would make every
+    update S times too small, with DP or without: refused at the first backward, before any update. ``None``
+    without fp16.
+    """
+    if not deepspeed_engine.fp16_enabled():
+        return None
+    optimizer = deepspeed_engine.optimizer
+
+    def check(factor: float) -> None:
+        scale = float(optimizer.loss_scale)
+        if not math.isclose(factor, scale, rel_tol=1e-2):
+            import deepspeed
+
+            raise RuntimeError(
+                f"DeepSpeed {deepspeed.__version__} did not multiply the loss by its fp16 loss scale ({scale:g}) "
+                f"before backward (the factor was {factor:g}), yet its optimizer divides the gradients by that scale before "
+                f"each update: every update would be {scale / factor:g} times too small, with DP or without. DeepSpeed "
+                "has this bug in its fp16 path at ZeRO stage 0. Use precision='bf16-mixed' or '32-true', or ZeRO "
+                "stage 1 or above (e.g. strategy='dp_deepspeed_stage_2').")
+
+    return check

@@ -137,6 +137,9 @@ class DPMechanism:
         self._stop_requested = False  # this rank's: a SIGTERM arrived (set by a signal handler, no collective)
         self.stop_agreed = False      #: every rank knows some rank was asked to stop (after the same micro-batch)
         self._counts = StepCounts()
+        #: called with the factor on each loss after the probe (its gradient × the accumulation steps): a driver's
+        #: check that the loss scale it divides out was put on the loss (DeepSpeed's fp16, ``_dp_settings``)
+        self.loss_factor_check: Optional[Callable[[float], None]] = None
 
     @property
     def noise_multiplier(self) -> Optional[float]:
@@ -335,6 +338,8 @@ class DPMechanism:
         g = float(g)
         if not math.isfinite(g) or g == 0:
             raise RuntimeError(f"The loss gradient is {g}; cannot recover per-example gradients.")
+        if self.loss_factor_check is not None:
+            self.loss_factor_check(g * gradient_accumulation_steps)
         # undo Lightning's 1/K, DeepSpeed's 1/gas and the loss scale; emit × S, which DeepSpeed divides out
         self.engine.set_loss_factors(grad_scale=accumulate_grad_batches / g,
                                      emit_scale=g * gradient_accumulation_steps)

@@ -150,7 +150,18 @@ def gathered_params(model, stage):
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
+def allow_fp16_on_deepspeed_cpu():
+    """Let DeepSpeed's CPU accelerator run fp16 (it refuses it, though PyTorch's CPU kernels run fp16): DeepSpeed's
+    fp16 code path (fp16 weights, fp32 master weights, the loss scale) then runs end to end without a GPU."""
+    import deepspeed.accelerator
+
+    cls = type(deepspeed.accelerator.get_accelerator())
+    cls.is_fp16_supported = lambda self: True
+
+
 def run_case(case, out_dir, devices):
+    if case.get("cpu_fp16"):
+        allow_fp16_on_deepspeed_cpu()
     L.seed_everything(case.get("init_seed", 0), verbose=False)
     module = Module(case)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}

@@ -15,6 +15,10 @@ from oracle import clipped_sum, loop_per_example_grads, per_example_grads, per_e
 
 HERE = Path(__file__).parent
 
+#: a case's settings for DeepSpeed's fp16 (``16-mixed``): a small initial loss scale (2^8), so the first steps do
+#: not overflow, DeepSpeed skips none and the replay applies every step; C small enough that clipping shows
+FP16 = dict(precision="16-mixed", C=0.1, strategy_kwargs={"initial_scale_power": 8})
+
 #: a case's ``zero_config`` that partitions every ZeRO-3 parameter (no persistence threshold), prefetches none
 #: and releases each module's parameters after use (reuse distance 0): each backward pass must gather them
 ZERO3_EVERY_PARAM_PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,

@@ -12,16 +12,13 @@ import math
 import pytest
 import torch
 
-from harness import check_bf16_against_oracle, expected_params, run_cases
+from harness import FP16, check_bf16_against_oracle, expected_params, run_cases
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 BASE = dict(model="token", n=64, batch_size=4, lr=0.5, steps=3, sigma=0.0, C=0.3, clipping="layer-wise",
             clipping_fn="abadi", poisson=True, accumulate=1, accelerator="gpu")
-#: a small initial loss scale (2^8): the first fp16 steps do not overflow, so DeepSpeed skips none and the replay
-#: applies every step
-FP16 = dict(precision="16-mixed", C=0.1, strategy_kwargs={"initial_scale_power": 8})
 
 
 def cuda_cases(accelerator="gpu"):
@@ -41,7 +38,8 @@ def cuda_cases(accelerator="gpu"):
     cases.append(dict(base, name="bf16_2pass_s2", stage=2, clipping="all-layer", clipping_mode="two-pass",
                       precision="bf16-mixed", C=0.1))
     if accelerator == "gpu":
-        for stage, clipping, acc in ((0, "layer-wise", 1), (2, "layer-wise", 2), (3, "layer-wise", 1),
+        # (ZeRO-0's fp16 is refused: DeepSpeed leaves the loss unscaled there, tests/test_precision.py)
+        for stage, clipping, acc in ((1, "layer-wise", 1), (2, "layer-wise", 2), (3, "layer-wise", 1),
                                      (2, "all-layer", 1), (3, "all-layer", 2)):
             cases.append(dict(base, **FP16, name=f"fp16_{clipping}_s{stage}_a{acc}", stage=stage,
                               clipping=clipping, accumulate=acc))

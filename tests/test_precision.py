@@ -1,14 +1,16 @@
 """Precision: norms and coefficients in fp32, the fp16 loss scale divided out before norms.
 
-DeepSpeed's CPU accelerator refuses fp16 (bf16-mixed runs are checked in test_invariants.py), so the
-loss-scale path is checked on the engine directly: an fp16 model with a loss scale S must clip the same
-examples as the fp32 model, and its emitted gradient (× S, which DeepSpeed divides out) must match.
+The loss-scale path is checked on the engine directly (an fp16 model with a loss scale S must clip the same
+examples as the fp32 model, and its emitted gradient, × S, which DeepSpeed divides out, must match) and end to
+end through DeepSpeed's fp16 on ZeRO 1/2/3, whose CPU accelerator is let run fp16 (it refuses it otherwise;
+bf16-mixed runs are checked in test_invariants.py).
 """
 
 import pytest
 import torch
 from torch import nn
 
+from harness import FP16, check_bf16_against_oracle, run_cases
 from lightning_dpzero.per_sample import PerSampleEngine
 from oracle import per_example_grads
 
@@ -47,3 +49,61 @@ def test_norms_are_fp32_for_half_inputs():
     with engine.micro_batch(batch_size=3):
         model(torch.randn(3, 16).half()).float().sum().backward()
     assert seen == [torch.float32]
+
+
+# ------------------------------------------------- DeepSpeed's fp16 end to end (its CPU accelerator let run fp16)
+FP16_CASES = [dict(name=f"fp16_{clipping}_s{stage}_a{acc}", model="token", n=64, batch_size=4, lr=0.5, steps=3,
+                   sigma=0.0, clipping=clipping, clipping_fn="abadi", poisson=True, accumulate=acc, stage=stage,
+                   cpu_fp16=True, **FP16)
+              for stage, clipping, acc in ((1, "layer-wise", 2), (2, "all-layer", 1), (3, "layer-wise", 2))]
+
+
+@pytest.mark.slow
+def test_fp16_with_deepspeeds_loss_scale_matches_the_oracle(tmp_path):
+    """fp16 weights, fp32 master weights and DeepSpeed's dynamic loss scale on ZeRO 1/2/3: the engine reads the
+    loss scale from the loss's gradient, clips the unscaled per-example gradients and hands DeepSpeed the scaled
+    sums; the run ends at the oracle's parameters to fp16 rounding (tests/test_cuda.py runs it on a GPU)."""
+    results = run_cases(FP16_CASES, tmp_path, 1)
+    for case in FP16_CASES:
+        res = results[case["name"]]
+        assert res["deepspeed_skipped_steps"] == 0, case["name"]  # an overflowed step would be missing from the replay
+        check_bf16_against_oracle(case, res)
+
+
+def test_fp16_is_refused_where_deepspeed_leaves_the_loss_unscaled(monkeypatch):
+    """DeepSpeed 0.19's fp16 at ZeRO stage 0 divides the gradients by a loss scale it never put on the loss (every
+    update S times too small, DP or not): refused at the first backward, before any update, with the way out."""
+    import deepspeed.accelerator
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dpzero import DPDeepSpeedStrategy
+
+    monkeypatch.setattr(type(deepspeed.accelerator.get_accelerator()), "is_fp16_supported", lambda self: True)
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = _model()
+            self.updates = 0
+
+        def training_step(self, batch, _):
+            return nn.functional.cross_entropy(self.body(batch[0]).float(), batch[1])
+
+        def on_before_optimizer_step(self, optimizer):
+            self.updates += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,))), batch_size=4)
+
+    net = Net()
+    trainer = L.Trainer(strategy=DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0, initial_scale_power=8),
+                        accelerator="cpu", devices=1, max_steps=2, precision="16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match=r"(?s)did not multiply the loss by its fp16 loss scale \(256\).*"
+                                           r"256 times too small.*ZeRO stage 0.*bf16-mixed.*stage 1 or above"):
+        trainer.fit(net)
+    assert net.updates == 0
