@@ -106,9 +106,9 @@ def fp16_loss_scale_check(deepspeed_engine) -> Optional[Callable[[float], None]]
 
             raise RuntimeError(
                 f"DeepSpeed {deepspeed.__version__} did not multiply the loss by its fp16 loss scale ({scale:g}) "
-                f"before backward (the factor was {factor:g}), yet its optimizer divides the gradients by that scale before "
-                f"each update: every update would be {scale / factor:g} times too small, with DP or without. DeepSpeed "
-                "has this bug in its fp16 path at ZeRO stage 0. Use precision='bf16-mixed' or '32-true', or ZeRO "
-                "stage 1 or above (e.g. strategy='dp_deepspeed_stage_2').")
+                f"before backward (the factor was {factor:g}), yet its optimizer divides the gradients by that scale "
+                f"before each update: every update would be {scale / factor:g} times too small, with DP or without. "
+                "DeepSpeed has this bug in its fp16 path at ZeRO stage 0. Use precision='bf16-mixed' or '32-true', or "
+                "ZeRO stage 1 or above (e.g. strategy='dp_deepspeed_stage_2').")
 
     return check
