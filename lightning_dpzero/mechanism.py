@@ -336,6 +336,12 @@ class DPMechanism:
 
     def _on_loss_grad(self, g: torch.Tensor, accumulate_grad_batches: int, gradient_accumulation_steps: int) -> None:
         g = float(g)
+        if math.isinf(g) and self.loss_factor_check is not None:
+            # fp16: the loss times DeepSpeed's loss scale overflowed (an fp16 loss at the default scale 2^16 does).
+            # Every gradient emitted is NaN, so DeepSpeed's overflow check skips this step and lowers the scale, as
+            # it does without DP; nothing of the batch is released, and the step is charged all the same (I4).
+            self.engine.set_loss_factors(grad_scale=math.nan, emit_scale=math.nan)
+            return
         if not math.isfinite(g) or g == 0:
             raise RuntimeError(f"The loss gradient is {g}; cannot recover per-example gradients.")
         if self.loss_factor_check is not None:

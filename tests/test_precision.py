@@ -56,18 +56,27 @@ FP16_CASES = [dict(name=f"fp16_{clipping}_s{stage}_a{acc}", model="token", n=64,
                    sigma=0.0, clipping=clipping, clipping_fn="abadi", poisson=True, accumulate=acc, stage=stage,
                    cpu_fp16=True, **FP16)
               for stage, clipping, acc in ((1, "layer-wise", 2), (2, "all-layer", 1), (3, "layer-wise", 2))]
+# DeepSpeed's default initial loss scale 2^16 overflows an fp16 loss of ~2.3 twice (2^16, 2^15): those steps are
+# skipped (and charged), the scale drops to 2^14, and the later steps train
+FP16_OVERFLOW_CASES = [dict(case, name=f"{case['name']}_overflow", steps=4, skipped_steps=[0, 1],
+                            strategy_kwargs={"initial_scale_power": 16}) for case in FP16_CASES[1:]]
 
 
 @pytest.mark.slow
 def test_fp16_with_deepspeeds_loss_scale_matches_the_oracle(tmp_path):
     """fp16 weights, fp32 master weights and DeepSpeed's dynamic loss scale on ZeRO 1/2/3: the engine reads the
     loss scale from the loss's gradient, clips the unscaled per-example gradients and hands DeepSpeed the scaled
-    sums; the run ends at the oracle's parameters to fp16 rounding (tests/test_cuda.py runs it on a GPU)."""
-    results = run_cases(FP16_CASES, tmp_path, 1)
-    for case in FP16_CASES:
+    sums; the run ends at the oracle's parameters to fp16 rounding (tests/test_cuda.py runs it on a GPU). At
+    DeepSpeed's default loss scale the fp16 loss itself overflows: DeepSpeed skips those steps as it does without
+    DP (every gradient emitted is NaN), the ledger charges them, and training goes on."""
+    results = run_cases(FP16_CASES + FP16_OVERFLOW_CASES, tmp_path, 1)
+    for case in FP16_CASES + FP16_OVERFLOW_CASES:
         res = results[case["name"]]
-        assert res["deepspeed_skipped_steps"] == 0, case["name"]  # an overflowed step would be missing from the replay
+        # the replay leaves out exactly the steps DeepSpeed skipped for an overflow
+        assert res["deepspeed_skipped_steps"] == len(case.get("skipped_steps", ())), case["name"]
         check_bf16_against_oracle(case, res)
+        entries = res["ledger"]["entries"]
+        assert sum(e["steps"] for e in entries) == res["global_step"] == case["steps"], case["name"]  # all charged
 
 
 def test_fp16_is_refused_where_deepspeed_leaves_the_loss_unscaled(monkeypatch):
