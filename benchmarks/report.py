@@ -45,7 +45,7 @@ def _verdict(ok: bool | None) -> str:
 
 
 def targets(st: dict | None, scaling: dict | None = None, largest: dict | list | None = None,
-            eps: dict | None = None) -> str:
+            eps: dict | None = None, gpu: dict | None = None) -> str:
     """One row per target and measured configuration: target, bound, measured, wall-clock ratio, floor,
     verdict."""
     rows = []
@@ -141,8 +141,20 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | list |
     if not runs:
         rows.append(["largest model that fits, DP against non-DP", "≥ 0.95 of non-DP's Ψ", NOT_RUN, None, None, "–"])
     # 8. GPU
-    rows.append(["the same figures on a GPU", "measured", "not measured (no GPU in this run); `benchmarks/gpu.sh` "
-                 "runs them", None, None, "–"])
+    if gpu:  # wall-clock ratios of the first run that measured each configuration (section *On a GPU*)
+        got = {}
+        for run in gpu["runs"]:
+            for r in run["results"]:
+                got.setdefault(r["name"], r.get("time_ratio"))
+        shown = {"ZeRO-3 all-layer": "gpt/zero3/all", "ZeRO-3 layer-wise": "gpt/zero3/layer",
+                 "one process all-layer": "gpt/1proc/ours-all", "Opacus hooks": "gpt/1proc/opacus-hooks"}
+        text = ", ".join(f"{k} {got[n]:.2f}×" for k, n in shown.items() if got.get(n))
+        rows.append([f"the same figures on a GPU ({gpu['runs'][0]['machine_before'].get('gpu')}, GPT d 768)",
+                     "measured", f"measured (section *On a GPU*): {text}; fp16 DP not yet", None,
+                     gpu["runs"][0]["facts"]["gpt"]["floor"], "measured"])
+    else:
+        rows.append(["the same figures on a GPU", "measured", "not measured (no GPU in this run); `benchmarks/gpu.sh` "
+                     "runs them", None, None, "–"])
     return md_table(["target", "bound", "measured (CPU time ratio / RSS growth ratio)", "wall-clock ratio", "floor",
                      "verdict"],
                     rows)
@@ -214,7 +226,7 @@ def summary(st: dict) -> str:
         "`clipping_mode=\"two-pass\"`, which keeps nothing and pays for a second backward pass instead. Which "
         "style is faster depends on the model's layers (compare the rows above). Small models with short "
         "steps pay relatively more for the fixed work of a DP step (accounting, per-layer book-keeping). These "
-        "are CPU measurements; GPU numbers are not measured yet.",
+        "are CPU measurements; the section *On a GPU* has the first GPU figures.",
     ]
     return "\n".join(lines)
 

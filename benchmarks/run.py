@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import epsilon_accuracy, largest_model, per_layer, profile_engine, scaling, step_time
+from benchmarks import epsilon_accuracy, gpu, largest_model, per_layer, profile_engine, scaling, step_time
 from benchmarks.common import RESULTS, STEADY_MALLOC, load_average, md_table
 from benchmarks.report import TARGET_NOTES, cpu_ratio, model_line, summary, targets
 
@@ -167,8 +167,8 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         "this page; `--skip-scaling`, `--skip-largest` and the other `--skip-*` flags leave a part's committed "
         "results as they are.",
         "",
-        "GPU figures are not measured yet: `bash benchmarks/gpu.sh` runs the same step-time cases at GPT-2-small "
-        "width on one GPU, after "
+        "GPU figures (the section *On a GPU* below): `bash benchmarks/gpu.sh` runs the CUDA tests and the "
+        "step-time cases at GPT-2-small width on one GPU, after "
         "`bash benchmarks/gpu.sh --prepare-wheels` on a machine with the repository (see the script's header); "
         "`bash benchmarks/gpu.sh --smoke` runs the same script on the CPU with a tiny model (a few minutes).",
         "",
@@ -238,7 +238,7 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             "",
             TARGET_NOTES,
             "",
-            targets(st, sc, [lm, lm_offload], eps),
+            targets(st, sc, [lm, lm_offload], eps, gpu=_load(RESULTS / "step_time_gpu.json")),
             "",
         ]
     if sc:
@@ -250,6 +250,9 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
     analysis = RESULTS / "analysis.md"
     if analysis.exists():
         parts += [analysis.read_text().rstrip(), ""]
+    gpu_results = _load(RESULTS / "step_time_gpu.json")
+    if gpu_results:
+        parts += [gpu.render_section(gpu_results), ""]
     prof = _load(RESULTS / "profile_engine_cpu.json")
     if prof:
         a = prof["args"]
