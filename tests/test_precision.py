@@ -56,8 +56,9 @@ FP16_CASES = [dict(name=f"fp16_{clipping}_s{stage}_a{acc}", model="token", n=64,
                    sigma=0.0, clipping=clipping, clipping_fn="abadi", poisson=True, accumulate=acc, stage=stage,
                    cpu_fp16=True, **FP16)
               for stage, clipping, acc in ((1, "layer-wise", 2), (2, "all-layer", 1), (3, "layer-wise", 2))]
-# DeepSpeed's default initial loss scale 2^16 overflows an fp16 loss of ~2.3 twice (2^16, 2^15): those steps are
-# skipped (and charged), the scale drops to 2^14, and the later steps train
+# at DeepSpeed's default initial loss scale 2^16 the gradient reaching the fp16 loss (the scale, above fp16's 65504)
+# overflows, and at 2^15 this model's gradients still do: those two steps are skipped (and charged), the scale
+# drops to 2^14, and the later steps train
 FP16_OVERFLOW_CASES = [dict(case, name=f"{case['name']}_overflow", steps=4, skipped_steps=[0, 1],
                             strategy_kwargs={"initial_scale_power": 16}) for case in FP16_CASES[1:]]
 
