@@ -90,10 +90,10 @@ def fp16_loss_scale_check(deepspeed_engine) -> Optional[Callable[[float], None]]
     """With DeepSpeed's fp16 (``precision="16-mixed"``), a check of the factor on each loss in backward.
 
     DeepSpeed's fp16 optimizer divides the gradients by its loss scale S before each update, so the loss must
-    reach backward multiplied by S (the factor the loss probe reads, times the accumulation steps, is S). DeepSpeed's
-    ``engine.backward`` skips that multiplication at ZeRO stage 0 in some versions (0.19), which would make every
-    update S times too small, with DP or without: refused at the first backward, before any update. ``None``
-    without fp16.
+    reach backward multiplied by S (the factor the loss probe reads, times the accumulation steps, is S).
+    DeepSpeed's ``engine.backward`` skips that multiplication at ZeRO stage 0 in some versions (0.19), which would
+    make every update S times too small, with DP or without: refused at the first backward where S is not 1,
+    before any update. ``None`` without fp16.
     """
     if not deepspeed_engine.fp16_enabled():
         return None
