@@ -135,8 +135,15 @@ def main(argv=None) -> dict:
     return res
 
 
-if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+def first_measured(gpu: dict) -> dict:
+    """``{configuration name: result}`` from the first run of ``step_time_gpu.json`` that measured it (its ratios
+    are to that run's own baseline)."""
+    found: dict = {}
+    for run in gpu["runs"]:
+        for r in run["results"]:
+            if "median_s" in r:
+                found.setdefault(r["name"], r)
+    return found
 
 
 def render_section(gpu: dict) -> str:
@@ -144,15 +151,10 @@ def render_section(gpu: dict) -> str:
     run a :func:`main` result; ratios compare configurations of the same run only)."""
     runs = gpu["runs"]
     by = [{r["name"]: r for r in run["results"]} for run in runs]
-
-    def ratio(name, key="time_ratio"):  # (value, run index) of the first run that measured ``name``
-        for i, rs in enumerate(by):
-            if name in rs and key in rs[name]:
-                return rs[name][key]
-        return None
+    first = first_measured(gpu)
 
     def x(name, key="time_ratio"):
-        v = ratio(name, key)
+        v = first.get(name, {}).get(key)
         return "not measured" if v is None else f"{v:.2f}×"
 
     m, a = runs[0]["machine_before"], runs[0]["args"]
@@ -180,9 +182,10 @@ def render_section(gpu: dict) -> str:
         "never put on the loss (every update 256 times too small in the test, with or without DP). The strategy "
         "now stops such a run at its first backward and names the fix (bf16-mixed, or ZeRO stage 1 or above); "
         "with that case moved to ZeRO-1, every CUDA test passed.",
-        "* At DeepSpeed's default initial loss scale (2^16) an fp16 loss overflows when scaled, and the fp16 DP "
-        "configurations stopped on their first step. Such steps are now skipped as DeepSpeed skips them without "
-        "DP (and charged to the ledger), tested on the CPU; the fp16 DP step times are not measured yet.",
+        "* At DeepSpeed's default initial loss scale (2^16) the gradient reaching an fp16 loss (the scale itself) "
+        "overflows fp16, and the fp16 DP configurations stopped on their first step. Such steps are now skipped "
+        "as DeepSpeed skips them without DP (and charged to the ledger), tested on the CPU; the fp16 DP step "
+        "times are not measured yet.",
         f"* One process, batch {a['single_batch']}: our all-layer clipping took {x('gpt/1proc/ours-all')} the "
         f"non-private step and layer-wise {x('gpt/1proc/ours-layer')}; Opacus 1.6 took "
         f"{x('gpt/1proc/opacus-hooks')} (hooks) and {x('gpt/1proc/opacus-ghost')} (ghost clipping), and its hooks "
@@ -207,3 +210,7 @@ def render_section(gpu: dict) -> str:
     for i, run in enumerate(runs):
         parts += [f"### Run {i + 1} of {len(runs)}", "", step_time.render(run), ""]
     return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)

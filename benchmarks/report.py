@@ -142,10 +142,9 @@ def targets(st: dict | None, scaling: dict | None = None, largest: dict | list |
         rows.append(["largest model that fits, DP against non-DP", "≥ 0.95 of non-DP's Ψ", NOT_RUN, None, None, "–"])
     # 8. GPU
     if gpu:  # wall-clock ratios of the first run that measured each configuration (section *On a GPU*)
-        got = {}
-        for run in gpu["runs"]:
-            for r in run["results"]:
-                got.setdefault(r["name"], r.get("time_ratio"))
+        from benchmarks.gpu import first_measured
+
+        got = {n: r.get("time_ratio") for n, r in first_measured(gpu).items()}
         shown = {"ZeRO-3 all-layer": "gpt/zero3/all", "ZeRO-3 layer-wise": "gpt/zero3/layer",
                  "one process all-layer": "gpt/1proc/ours-all", "Opacus hooks": "gpt/1proc/opacus-hooks"}
         text = ", ".join(f"{k} {got[n]:.2f}×" for k, n in shown.items() if got.get(n))
