@@ -1,12 +1,14 @@
 """Launch ``dp_worker.py`` on W CPU processes (gloo) the way torchrun would, and rebuild references."""
 
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -144,3 +146,18 @@ def check_bf16_against_oracle(case, result):
     gap = max((unclipped[k] - exp[k]).abs().max().item() for k in exp)
     assert err < 1.2e-2, case["name"]
     assert gap > 4 * err, case["name"]
+
+
+def check_noise_std(case, result, world_size):
+    """I3: with zero per-example gradients the update is lr × noise; its std over every coordinate is σC/B_exp
+    (B_exp = batch × W × accumulation) to 3% (~33k coordinates: a √2 error, noise twice or averaged, fails), its
+    mean is near 0, and every rank ends with the same parameters."""
+    b_exp = case["batch_size"] * world_size * case["accumulate"]
+    assert result["plan"]["expected_batch_size"] == pytest.approx(b_exp)
+    delta = torch.cat([(result["final"][k] - result["init"][k]).flatten() for k in result["final"]]) / case["lr"]
+    expected_std = case["sigma"] * case["C"] / b_exp
+    assert delta.std().item() == pytest.approx(expected_std, rel=0.03), case["name"]
+    assert abs(delta.mean().item()) < 4 * expected_std / math.sqrt(delta.numel()), case["name"]
+    for r in range(1, world_size):
+        for k in result["final"]:
+            torch.testing.assert_close(result["final_rank"][r][k], result["final"][k], rtol=0, atol=0)
