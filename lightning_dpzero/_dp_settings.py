@@ -57,6 +57,7 @@ class DPSettings:
         (:func:`._zero3_trace.keep_release_decisions_fresh`)."""
         self.prepare_clipping_mode(deepspeed_engine)
         self.mechanism.loss_factor_check = fp16_loss_scale_check(deepspeed_engine)
+        self.mechanism.loss_scaled_fp16 = bool(deepspeed_engine.fp16_enabled())
         keep_release_decisions_fresh(deepspeed_engine)
 
     def prepare_clipping_mode(self, deepspeed_engine) -> None:

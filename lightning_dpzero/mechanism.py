@@ -140,6 +140,9 @@ class DPMechanism:
         #: called with the factor on each loss after the probe (its gradient × the accumulation steps): a driver's
         #: check that the loss scale it divides out was put on the loss (DeepSpeed's fp16, ``_dp_settings``)
         self.loss_factor_check: Optional[Callable[[float], None]] = None
+        #: the driver multiplies each loss by a dynamic fp16 loss scale (DeepSpeed's fp16): an infinite loss gradient
+        #: is then that scale's overflow, which the driver skips the step for, not a loss to refuse
+        self.loss_scaled_fp16 = False
 
     @property
     def noise_multiplier(self) -> Optional[float]:
@@ -336,7 +339,7 @@ class DPMechanism:
 
     def _on_loss_grad(self, g: torch.Tensor, accumulate_grad_batches: int, gradient_accumulation_steps: int) -> None:
         g = float(g)
-        if math.isinf(g) and self.loss_factor_check is not None:
+        if math.isinf(g) and self.loss_scaled_fp16:
             # fp16: the loss times DeepSpeed's loss scale overflowed (an fp16 loss at the default scale 2^16 does).
             # Every gradient emitted is NaN, so DeepSpeed's overflow check skips this step and lowers the scale, as
             # it does without DP; nothing of the batch is released, and the step is charged all the same (I4).
