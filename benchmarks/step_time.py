@@ -294,7 +294,7 @@ def parse_args(argv=None):
     ap.add_argument("--single-threads", type=int, default=1, help="torch threads of the one-process runs")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--interleave-steps", type=int, default=12,
+    ap.add_argument("--interleave-steps", type=int, default=24,
                     help="then time each group again with its methods taking turns step by step in one launch, "
                          "this many rounds after the warm-up (0: not)")
     ap.add_argument("--accumulate", type=int, default=1,
