@@ -187,7 +187,8 @@ def lightning_worker(cfg: dict) -> dict:
         instrument_strategy()
         from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU])
+        # on a GPU its kernels too: how the step's host time compares with the GPU's busy time
+        prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else []))
 
     class StepStart(L.Callback):
         """First callback: a step starts here (after data loading)."""

@@ -12,7 +12,10 @@ Configurations (one process launch each, ``benchmarks.step_time`` workers):
   clipping at ZeRO-3, LoRA DP vs non-DP; and ZeRO-3 in fp16 (DeepSpeed's loss-scaled ``16-mixed``);
 * one process, batch ``--single-batch`` (default 128), fp32 with TF32 matmuls: non-DP, ours (layer-wise,
   all-layer), Opacus hooks and ghost, torch.func, and the naive per-example loop: the speed-up of our
-  engine over the naive loop at batch 128 is printed last.
+  engine over the naive loop at batch 128 is printed last;
+* then, while the budget lasts, ``--profile`` (default: ZeRO-3 non-DP, layer-wise and all-layer) once more
+  under torch.profiler, host and GPU: each step's host time against the GPU's busy time and kernel count,
+  and the engine's labels (``res["profiles"]``; the page's *Where the step's time goes*).
 
 Writes ``$OUT/step_time_gpu.json`` (or ``--out``) and prints the table last.
 
@@ -40,6 +43,8 @@ PRIORITY = ["gpt/1proc/nondp", "gpt/1proc/ours-all", "gpt/1proc/naive", "gpt/zer
             "gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all", "gpt/1proc/opacus-hooks",
             "gpt/zero3-fp16/nondp", "gpt/zero3-fp16/layer", "gpt/zero3-fp16/all", "gpt/1proc/ours-layer",
             "gpt-lora/zero3/nondp", "gpt-lora/zero3/layer"]
+#: profiled after the timed runs: is DeepSpeed-path DP bound by the GPU's arithmetic or by the host's launches?
+PROFILE = r"^gpt/zero3/(nondp|layer|all)$"
 #: the fp16 (16-mixed) configurations, renamed from ZeRO-3's
 FP16 = ("gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all")
 
@@ -60,6 +65,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--precision", default="bf16-mixed")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per configuration")
     ap.add_argument("--only", help="regular expression on configuration names (their baselines are kept)")
+    ap.add_argument("--profile", default=PROFILE, metavar="REGEX",
+                    help="after the timed runs, while the budget lasts, launch the configurations matching this "
+                         "once more under torch.profiler (host and GPU): where a DP step's time goes ('' for none)")
     args = ap.parse_args(argv)
     out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "step_time_gpu.json"))
     st_argv = ["--models", "gpt", "--world", "1", "--stages", "0,3", "--detail-stage", "3",
@@ -74,12 +82,14 @@ def main(argv=None) -> dict:
                    "--threads-per-proc", "1", "--single-threads", "1", "--timeout", "300", "--accelerator", "cpu",
                    "--only", r"zero3/(nondp|layer|all)$|lora.*|1proc/(nondp|ours-all|naive|opacus-hooks)$"]
         args.budget_s = 1e9
+        args.profile = args.profile and r"^gpt/zero3/(nondp|all)$"
     sargs = step_time.parse_args(st_argv)
     cases = step_time.build_cases(sargs)
     if not args.smoke:  # DeepSpeed's fp16 (loss-scaled) on ZeRO-3 beside the bf16 cases; its CPU build refuses fp16
         fp16 = step_time.build_cases(step_time.parse_args(st_argv + ["--precision", "16-mixed", "--lora-rank", "0"]))
         cases += [dict(c, name=c["name"].replace("gpt/zero3/", "gpt/zero3-fp16/"), group="gpt/zero3-fp16",
                        baseline="gpt/zero3-fp16/nondp") for c in fp16 if c["name"] in FP16]
+    everything = list(cases)  # --profile chooses among all of them, --only or not
     if args.only:  # a second run measures what a first left out: the configurations named, with their baselines
         rx = re.compile(args.only)
         wanted = {n for c in cases if rx.search(c["name"]) for n in (c["name"], c["baseline"])}
@@ -118,6 +128,8 @@ def main(argv=None) -> dict:
             print(r["log_tail"][-800:], flush=True)
         res["wall_s"] = time.time() - t0
         write_json(out, res)  # after every configuration: a killed run keeps what it measured
+    profile_configurations(res, everything, args, logdir, t0)
+    write_json(out, res)
     res["machine_after"] = machine_info()
     times = {r["name"]: r["median_s"] for r in res["results"] if "median_s" in r}
     lines = []
@@ -133,6 +145,35 @@ def main(argv=None) -> dict:
     for line in lines:
         print(line)
     return res
+
+
+def profile_configurations(res: dict, cases: list[dict], args, logdir: Path, t0: float) -> None:
+    """The configurations matching ``args.profile`` once more, rank 0 under torch.profiler over the timed steps
+    (``benchmarks.ds_worker``; the GPU's kernels too), while the budget lasts: ``res["profiles"][name]`` (a
+    :func:`benchmarks.profile_engine.summarize` result, or the error). Not timed: the profiler slows the host."""
+    if not args.profile:
+        return
+    rx = re.compile(args.profile)
+    for cfg in cases:
+        if not rx.search(cfg["name"]) or cfg["kind"] != "lightning":
+            continue
+        if time.time() - t0 > args.budget_s:
+            res["skipped"].append(f"{cfg['name']} (profile)")
+            continue
+        r = step_time.launch(dict(cfg, profile=True), logdir, args.timeout)
+        p = r.get("profile_rank0") or {"error": r.get("error", "no profile"), "log_tail": r.get("log_tail", "")[-800:]}
+        res.setdefault("profiles", {})[cfg["name"]] = p
+        print(f"[{time.time() - t0:5.0f} s] profile {cfg['name']:20s} {profile_line(p)}", flush=True)
+
+
+def profile_line(p: dict) -> str:
+    """One line of a profile: the step's host time, the GPU's busy time and kernels, the engine's labels."""
+    if "error" in p:
+        return f"failed: {p['error']}"
+    dev = (f"GPU busy {p['device_ms_per_step']:.1f} ms, {p['kernels_per_step']:.0f} kernels"
+           if "device_ms_per_step" in p else "no GPU kernels recorded")
+    labels = ", ".join(f"{k.removeprefix('dpzero.')} {v:.1f}" for k, v in list(p["labels_ms"].items())[:4])
+    return f"host {p['profiled_step_ms']:.1f} ms/step; {dev}; host ms in {labels or 'no engine labels'}"
 
 
 def first_measured(gpu: dict) -> dict:
@@ -207,6 +248,16 @@ def render_section(gpu: dict) -> str:
         "under DeepSpeed.",
         "",
     ]
+    profiles = [(name, p) for run in runs for name, p in run.get("profiles", {}).items() if "error" not in p]
+    if profiles:
+        parts += ["### Where the step's time goes", "",
+                  "Rank 0 under torch.profiler over the timed steps, host and GPU (a launch of its own: the profiler "
+                  "slows the host, so these times are longer than the timed ones). When the host's time per step is "
+                  "well above the GPU's busy time, the step waits on Python and kernel launches, not on arithmetic.",
+                  "", "| configuration | host ms per step | GPU busy ms per step | kernels per step |", "|---|---|---|---|"]
+        parts += [f"| {name} | {p['profiled_step_ms']:.1f} | {p.get('device_ms_per_step', float('nan')):.1f} | "
+                  f"{p.get('kernels_per_step', 0):.0f} |" for name, p in profiles]
+        parts.append("")
     for i, run in enumerate(runs):
         parts += [f"### Run {i + 1} of {len(runs)}", "", step_time.render(run), ""]
     return "\n".join(parts)

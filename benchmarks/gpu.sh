@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared one-GPU run: the CUDA tests (tests/test_cuda.py: fp32, bf16 and fp16 on ZeRO 0/2/3 against the
 # per-example oracle), then the benchmark (benchmarks/gpu.py): step-time cases at GPT-2-small width (d 768), fp16
-# and bf16, and the batch-128 naive-loop speed-up; JSON under $OUT (default .), the table printed last. Under
+# and bf16, the batch-128 naive-loop speed-up, and a host + GPU profile of ZeRO-3 non-DP / layer-wise / all-layer
+# (--profile REGEX); JSON under $OUT (default .), the table printed last. Under
 # 8 minutes on one H200 (less with --budget-s). Installs nothing from the network.
 #
 #   bash benchmarks/gpu.sh            # on the GPU machine, from the repository root

@@ -96,14 +96,31 @@ def instrument_strategy() -> None:
 
 def summarize(prof, steps: int, top: int = 20) -> dict:
     """Per-step inclusive ms of every ``dpzero.*`` label, the profiled step time, and the top operators
-    by self time (ms per step)."""
+    by self time (ms per step).
+
+    With the GPU profiled too (``ProfilerActivity.CUDA``), also: the GPU's busy time per step (the sum of its
+    kernels' times) and its kernel launches per step, each label's GPU time (the kernels launched inside it),
+    and the top kernels by GPU time. A step whose host time is far above its kernels' time is bound by the
+    host (Python and kernel launches), not by the GPU's arithmetic."""
+    from torch.autograd import DeviceType
+
     ka = prof.key_averages()
     labels = {e.key: e.cpu_time_total / steps / 1e3 for e in ka if e.key.startswith("dpzero.")}
     step_ms = next((e.cpu_time_total / steps / 1e3 for e in ka if e.key == "step"), float("nan"))
+    kernels = [e for e in ka if e.device_type == DeviceType.CUDA]
     ops = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in ka
-                  if not e.key.startswith("dpzero.") and e.key != "step"), key=lambda t: -t[1])[:top]
-    return {"profiled_step_ms": step_ms, "labels_ms": dict(sorted(labels.items(), key=lambda t: -t[1])),
-            "top_ops": ops}
+                  if not e.key.startswith("dpzero.") and e.key != "step" and e.device_type != DeviceType.CUDA),
+                 key=lambda t: -t[1])[:top]
+    out = {"profiled_step_ms": step_ms, "labels_ms": dict(sorted(labels.items(), key=lambda t: -t[1])),
+           "top_ops": ops}
+    if kernels:
+        out["device_ms_per_step"] = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+        out["kernels_per_step"] = sum(e.count for e in kernels) / steps
+        out["labels_device_ms"] = {e.key: e.device_time_total / steps / 1e3 for e in ka
+                                   if e.key.startswith("dpzero.")}
+        out["top_kernels"] = sorted(((e.key[:80], e.self_device_time_total / steps / 1e3, e.count / steps)
+                                     for e in kernels), key=lambda t: -t[1])[:top]
+    return out
 
 
 def run_mode(mode: str, args) -> dict:

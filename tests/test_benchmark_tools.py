@@ -207,3 +207,36 @@ def test_the_largest_model_table_and_targets_show_two_pass_where_it_was_searched
     rows = report.targets(None, largest=[lm, lm]).splitlines()
     assert sum("ZeRO-3 + offload, 2048 MB per process |" in line for line in rows) == 2
     assert sum("ZeRO-3 + offload, 2048 MB per process, a later search |" in line for line in rows) == 2
+
+
+def test_a_profile_says_host_time_and_the_gpu_section_shows_it_only_where_measured():
+    """``summarize`` reports the GPU's busy time only when the GPU was profiled (never a zero that reads as
+    "no GPU work"), and the page's GPU section gains its profile table only from profiles that ran."""
+    import copy
+    import json
+    from pathlib import Path
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import gpu
+    from benchmarks.profile_engine import summarize
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with torch.profiler.record_function("step"), torch.profiler.record_function("dpzero.engine._on_backward"):
+                torch.randn(64, 64) @ torch.randn(64, 64)
+    p = summarize(prof, steps=2)
+    assert p["profiled_step_ms"] > 0 and "dpzero.engine._on_backward" in p["labels_ms"]
+    assert "device_ms_per_step" not in p and "no GPU kernels" in gpu.profile_line(p)
+    assert gpu.profile_line({"error": "timeout"}) == "failed: timeout"
+
+    committed = json.loads((Path(gpu.__file__).parent / "results" / "step_time_gpu.json").read_text())
+    assert "Where the step's time goes" not in gpu.render_section(committed)
+    with_profiles = copy.deepcopy(committed)
+    with_profiles["runs"][-1]["profiles"] = {
+        "gpt/zero3/all": dict(p, device_ms_per_step=12.5, kernels_per_step=900.0),
+        "gpt/zero3/layer": {"error": "timeout"}}
+    page = gpu.render_section(with_profiles)
+    table = page.split("### Where the step's time goes")[1].split("### Run 1")[0]
+    assert "| gpt/zero3/all | " in table and "| 12.5 | 900 |" in table and "gpt/zero3/layer" not in table
