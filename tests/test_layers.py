@@ -596,6 +596,35 @@ def test_cost_model_choices():
     assert cp(128, 256, 256, True, "cuda", torch.bfloat16) == "ghost"  # HBM traffic against tensor cores
 
 
+class AttentionShaped(nn.Module):
+    """q, k and v read one input; o reads their mix, which no other layer reads. At d = p = 128, T = 64 one
+    layer's per-example gradients hold exactly as many values as its input and output gradient."""
+
+    def __init__(self, d=128):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
+
+
+def test_all_layer_keeps_per_example_gradients_where_they_replace_the_rows_dropped():
+    """All-layer (book-keeping) keeps a site's per-example gradients for its clipped sum, instead of its input
+    and output gradient, when they are no larger than what it drops: the output projection's whole rows, but
+    only a third of the input q, k and v share (so they stay on the ghost norm); the sums match the oracle."""
+    torch.manual_seed(0)
+    engines: list = []
+    check_oracle(AttentionShaped(), torch.randn(2, 64, 128),
+                 dict(clipping="all-layer", clipping_fn="abadi", C=0.5, path=None, seed=0), engines=engines)
+    taken = engines[0].last_paths
+    assert taken["o"] == "reuse" and [taken[n] for n in "qkv"] == ["ghost"] * 3
+    readers, x = paths_mod.InputReaders(), torch.randn(2, 64, 128)
+    for _ in range(3):
+        readers.add(x)
+    g = torch.randn(2, 64, 128)
+    assert paths_mod.fits_deferred(x, g, 128 * 128) and not paths_mod.fits_deferred(x, g, 128 * 128, readers.of(x))
+
+
 class SharedInputs(nn.Module):
     """A decoder block's q, k, v (three Linears reading one input) and a gated MLP's gate and up (two reading
     another), beside a Linear reading a different tensor of the same shape, whose input Gram is not theirs."""

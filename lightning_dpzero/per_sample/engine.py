@@ -41,6 +41,7 @@ from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_no
 from .layout import batch_checked_input, run_layout_check
 from . import sums
 from .maths import InputGrams
+from .paths import InputReaders
 from .two_pass import clip_site, norms_pass
 from .window import WindowBuffer
 
@@ -231,6 +232,7 @@ class PerSampleEngine:
         self._total_sq: Optional[torch.Tensor] = None
         self._pending = False
         self.input_grams = InputGrams()  # the ghost norms' input Gram shared by layers reading one input (maths.py)
+        self.input_readers = InputReaders()  # how many layers read each input: what a site may keep (paths.py)
 
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
@@ -239,6 +241,7 @@ class PerSampleEngine:
             return hook.original_forward(x, extra)
         x = batch_checked_input(hook, x, extra, self.expected_batch_size)
         self._register_site(hook)
+        self.input_readers.add(x)
         return run_call(hook, x, hook.rule.params(hook.module), extra)
 
     def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
