@@ -41,7 +41,7 @@ REUSE_MEMORY_FACTOR = 2.0
 #: of its input (an input read by n layers, such as q, k and v, is freed only when all n drop it), so that
 #: book-keeping's memory does not grow. Normalisation layers, small convolution kernels, and a Linear whose
 #: input no other layer reads with ``p·d ≤ T·(d+p)`` (a decoder's attention output projection at d = 256,
-#: T = 128; measured on the benchmark GPT: all-layer 1.29 → 1.27 of non-DP, the same allocator peak)
+#: T = 128; measured on the benchmark GPT in one process: all-layer 1.29 → 1.26 of non-DP, the same allocator peak)
 DEFERRED_KEEP_FACTOR = 1.0
 
 #: a convolution's per-example gradients and norms are formed for part of the batch at a time, each part's
@@ -131,9 +131,11 @@ def norm_chunk(x, g, per_example_numel: int) -> int:
 def may_keep(site, per_example_numel: int) -> bool:
     """Whether ``site`` may keep ``B × per_example_numel`` per-example values for its clipped sum: always when
     that sum follows at once (``site.completes``: layer-wise), for a group completed later (all-layer,
-    group-wise spanning layers) only within :data:`DEFERRED_KEEP_FACTOR` of the site's own records."""
-    readers = site.hook.engine.input_readers.of(site.x)
-    return site.completes or fits_deferred(site.x, site.g, per_example_numel, readers)
+    group-wise spanning layers) only within :data:`DEFERRED_KEEP_FACTOR` of the rows it would drop
+    (:func:`fits_deferred`)."""
+    if site.completes:
+        return True
+    return fits_deferred(site.x, site.g, per_example_numel, site.hook.engine.input_readers.of(site.x))
 
 
 def weight_path(site, T: int, d: int, p: int, per_example_numel: int) -> str:
