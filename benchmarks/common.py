@@ -26,9 +26,14 @@ SIGMA, CLIP = 1.0, 1.0
 #: step's large tensors are page-faulted in again on every step: measured on the benchmark CNN, 11-13
 #: thousand minor faults per non-DP step alone, 1.5 thousand when peers' allocations had left the heap grown,
 #: i.e. a method's time depended on which others ran in the same process. With these two settings no step
-#: faults after warm-up, non-DP and DP alike, and the ratios measure the arithmetic. Users on the CPU can
-#: set the same variables; on a GPU the caching allocator already does this.
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
+#: faults after warm-up, non-DP and DP alike, and the ratios measure the arithmetic. The third keeps every thread
+#: on the process's main heap: the interleaved runs (``benchmarks.interleave``) train each method in a thread of
+#: its own, and glibc gives a thread its own arena, whose heap it shrinks back to the kernel whatever the trim
+#: threshold; measured on the LoRA configuration, a DP method's thread then paid 5-11 thousand minor faults a
+#: step on one rank in about half the launches (15-20 ms of a 200 ms step, interleaved ratio 1.07 against
+#: 1.03), where a user's one training thread pays none. Users on the CPU can set the same variables; on a GPU
+#: the caching allocator already does this.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36), "MALLOC_ARENA_MAX": "1"}
 
 
 def median(xs: Iterable[float]) -> float:

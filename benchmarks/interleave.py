@@ -13,17 +13,21 @@ method's model); it comes from the separate launches.
   thread of every rank. A baton lets one thread run at a time, passed at every optimizer step's end (after all
   other callbacks, the accountant's included) in a fixed order, so every rank runs the same sequence of
   collectives and a step's CPU time (``time.process_time``: every thread of the process, gloo's included) is
-  that method's alone. Each method keeps its own DeepSpeed engine; the process group is shared.
+  that method's alone. Each method keeps its own DeepSpeed engine; the process group is shared. Threads would
+  each get a glibc arena of their own, which returns freed memory to the kernel as a user's one training thread
+  does not: the launch keeps them on one (``MALLOC_ARENA_MAX=1`` of ``STEADY_MALLOC``), and every step's minor
+  page faults are counted, so a result shows that none were paid.
 * **One process** (``kind="interleaved-single"``): the step functions of ``benchmarks.single_worker`` called in
   turn.
 
 ``run_group(cases, ...)`` launches a group and returns per method: ``paired_cpu_ratio`` /
-``paired_time_ratio`` (medians over the timed rounds of the per-round ratios), their quartiles and the
-per-round values.
+``paired_time_ratio`` (medians over the timed rounds of the per-round ratios), their quartiles, the
+per-round values and the median page faults of a step (``paired_faults_per_step``, the baseline's beside it).
 """
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from pathlib import Path
@@ -73,6 +77,7 @@ def lightning_interleaved(cfg: dict) -> dict:
     cases, baton = cfg["cases"], Baton(len(cfg["cases"]))
     times = {c["name"]: [] for c in cases}
     cpu = {c["name"]: [] for c in cases}
+    faults = {c["name"]: [] for c in cases}
     errors: dict = {}
 
     class Turn(L.Callback):
@@ -84,6 +89,7 @@ def lightning_interleaved(cfg: dict) -> dict:
         def _yield(self):
             baton.pass_on(self.i)
             baton.wait(self.i)
+            self.f0 = _minor_faults()
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_train_start(self, trainer, *a):
@@ -94,6 +100,7 @@ def lightning_interleaved(cfg: dict) -> dict:
                 return
             times[self.name].append(time.perf_counter() - self.t0)
             cpu[self.name].append(time.process_time() - self.c0)
+            faults[self.name].append(_minor_faults() - self.f0)
             self._yield()
 
     def run(i: int, case: dict) -> None:
@@ -113,7 +120,14 @@ def lightning_interleaved(cfg: dict) -> dict:
         t.join()
     if errors:
         raise RuntimeError(f"interleaved run failed: {errors}")
-    return {"step_s": times, "cpu_s": cpu}
+    return {"step_s": times, "cpu_s": cpu, "faults": faults}
+
+
+def _minor_faults() -> int:
+    """Minor page faults of the calling thread so far (of the process where the OS counts no threads' own):
+    a step that faults pays for the allocator, not for its arithmetic (``STEADY_MALLOC``)."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
 
 
 def single_interleaved(cfg: dict) -> dict:
@@ -123,16 +137,18 @@ def single_interleaved(cfg: dict) -> dict:
     built = [(c["name"], *build_step(c)) for c in cfg["cases"]]
     times = {name: [] for name, *_ in built}
     cpu = {name: [] for name, *_ in built}
+    faults = {name: [] for name, *_ in built}
     for k in range(cfg["warmup"] + cfg["steps"]):
         for name, step, batches, sync in built:
             x, y = batches[k]
             sync()
-            t0, c0 = time.perf_counter(), time.process_time()
+            f0, t0, c0 = _minor_faults(), time.perf_counter(), time.process_time()
             step(x, y)
             sync()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    return {"step_s": times, "cpu_s": cpu}
+            faults[name].append(_minor_faults() - f0)
+    return {"step_s": times, "cpu_s": cpu, "faults": faults}
 
 
 def _quartiles(xs: list[float]) -> list[float]:
@@ -146,7 +162,8 @@ def _quartiles(xs: list[float]) -> list[float]:
 def run_group(cases: list[dict], logdir: Path, timeout: float) -> dict:
     """Launch one group's cases interleaved (``cases[0]`` is the non-DP baseline) and return, per DP case,
     the paired ratios over the timed rounds (a round's wall time: the slowest rank's; its CPU time: the sum
-    over ranks), or ``{"error": ...}`` for the group."""
+    over ranks) and the median minor page faults of a step (a round's: the most of any rank), or
+    ``{"error": ...}`` for the group."""
     base = cases[0]
     kind = "interleaved-single" if base["kind"] == "single" else "interleaved-lightning"
     cfg = {"name": base["group"] + "/interleaved", "kind": kind, "world": base["world"],
@@ -159,6 +176,9 @@ def run_group(cases: list[dict], logdir: Path, timeout: float) -> dict:
                         for k in range(len(ranks[0]["step_s"][c["name"]]))][w:] for c in cases}
     cpu = {c["name"]: [sum(r["cpu_s"][c["name"]][k] for r in ranks)
                        for k in range(len(ranks[0]["cpu_s"][c["name"]]))][w:] for c in cases}
+    # a round's faults: the most any rank's step took (every step of every method should take none)
+    faults = {c["name"]: [max(r.get("faults", {}).get(c["name"], [0] * (k + 1))[k] for r in ranks)
+                          for k in range(len(ranks[0]["cpu_s"][c["name"]]))][w:] for c in cases}
     out = {"launch_wall_s": extra["launch_wall_s"]}
     b = base["name"]
     for c in cases[1:]:
@@ -167,5 +187,6 @@ def run_group(cases: list[dict], logdir: Path, timeout: float) -> dict:
         rw = [x / y for x, y in zip(wall[n], wall[b])]
         out[n] = {"paired_cpu_ratio": median(rc), "paired_time_ratio": median(rw),
                   "paired_cpu_quartiles": _quartiles(rc), "paired_time_quartiles": _quartiles(rw),
-                  "paired_cpu_s": cpu[n], "paired_baseline_cpu_s": cpu[b], "paired_rounds": len(rc)}
+                  "paired_cpu_s": cpu[n], "paired_baseline_cpu_s": cpu[b], "paired_rounds": len(rc),
+                  "paired_faults_per_step": median(faults[n]), "paired_baseline_faults_per_step": median(faults[b])}
     return out

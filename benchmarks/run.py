@@ -136,6 +136,17 @@ def offload_section(lm: dict) -> str:
     ])
 
 
+def _faults_sentence(st: dict) -> str:
+    """What the interleaved steps paid in page faults (the median over a method's rounds of the most any
+    process's step took), from results that count them."""
+    counts = [r[k] for r in st.get("results", []) for k in ("paired_faults_per_step", "paired_baseline_faults_per_step")
+              if r.get(k) is not None]
+    if not counts:
+        return "This run did not count page faults."
+    return (f"Counted in this run: a step took at most {max(counts):.0f} minor page faults (the median over the "
+            "rounds of every method, non-DP included), against thousands before.")
+
+
 def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None = None) -> str:
     sc, lm = _load(RESULTS / "scaling_cpu.json"), _load(RESULTS / "largest_model_cpu.json")
     lm_offload = _load(RESULTS / "largest_model_offload_cpu.json")
@@ -191,9 +202,14 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
         + ". With glibc's defaults a step's large tensors come from fresh pages that are returned and faulted "
         "in again on every step, and how often depends on what else ran in the process (the non-DP CNN step "
         "paid 11–13 thousand page faults alone, 1.5 thousand beside the DP methods): the ratios measured the "
-        "allocator as much as the arithmetic. With these settings no step faults after warm-up. The "
-        "largest-model search keeps the defaults, as a user's run would. On the CPU you can set the same two "
-        "variables for your own training; on a GPU the caching allocator already keeps its memory."
+        "allocator as much as the arithmetic. The first two settings keep freed memory in the process. The "
+        "third matters to the interleaved runs, which train each method in a thread of its own: glibc gives "
+        "a thread a heap of its own, which it does return to the system, and a DP method's thread then paid "
+        "5–11 thousand page faults a step on one of the two processes in about half the launches (the LoRA "
+        "step read 1.07 in those launches and 1.03 in the others); with it, every thread uses the one heap "
+        "that a user's single training thread uses. " + _faults_sentence(st)
+        + " The largest-model search keeps the defaults, as a user's run would. On the CPU you can set the "
+        "same variables for your own training; on a GPU the caching allocator already keeps its memory."
          if st and st.get("malloc_env") else "* Allocator: glibc's default settings."),
         "",
     ]

@@ -141,6 +141,15 @@ def test_single_interleaved_times_every_method_every_round():
                                                                   method="ours-layer")]})
     assert {k: len(v) for k, v in out["cpu_s"].items()} == {"cnn/1proc/nondp": 3, "cnn/1proc/ours-layer": 3}
     assert all(t > 0 for v in out["step_s"].values() for t in v)
+    assert {k: len(v) for k, v in out["faults"].items()} == {"cnn/1proc/nondp": 3, "cnn/1proc/ours-layer": 3}
+
+
+def test_the_page_says_how_many_page_faults_the_interleaved_steps_paid():
+    from benchmarks.run import _faults_sentence
+
+    st = {"results": [{"paired_faults_per_step": 3.0, "paired_baseline_faults_per_step": 12.5}, {}]}
+    assert "at most 12 minor page faults" in _faults_sentence(st)
+    assert _faults_sentence({"results": [{}]}) == "This run did not count page faults."
 
 
 @pytest.mark.slow
@@ -159,6 +168,8 @@ def test_a_lightning_group_runs_interleaved_on_two_ranks(tmp_path):
     paired = out["cnn/zero2/layer"]
     assert paired["paired_rounds"] == 3 and len(paired["paired_baseline_cpu_s"]) == 3
     assert 0 < paired["paired_cpu_ratio"] < 100
+    # every step's page faults are counted (the trainer threads share the main heap: STEADY_MALLOC)
+    assert paired["paired_faults_per_step"] >= 0 and paired["paired_baseline_faults_per_step"] >= 0
 
 
 def test_the_largest_model_search_measures_one_training_step_and_no_profiled_one():
