@@ -625,6 +625,38 @@ def test_all_layer_keeps_per_example_gradients_where_they_replace_the_rows_dropp
     assert paths_mod.fits_deferred(x, g, 128 * 128) and not paths_mod.fits_deferred(x, g, 128 * 128, readers.of(x))
 
 
+@pytest.mark.parametrize("deferred_zeros", [False, True])
+def test_all_layer_hands_autograd_no_gradient_for_deferred_parameters_unless_a_hook_needs_one(deferred_zeros):
+    """All-layer book-keeping writes every clipped sum at the end of backward. Without DeepSpeed (and on ZeRO-0 in
+    fp32) nothing reads a gradient before then, so the sites return none: no parameter-sized zeros during the
+    backward (an all-layer GPT step on ZeRO-0 peaked 10 MB lower). ZeRO 1-3 and DeepSpeed's 16-bit optimizers
+    need each parameter's gradient hook to fire (``deferred_zeros``). The sums match the oracle either way,
+    and the guard still refuses a gradient that bypassed the engine."""
+    torch.manual_seed(0)
+    model, x = AttentionShaped(d=16), torch.randn(3, 5, 16)
+    y = torch.randn(3, 5 * 16, generator=torch.Generator().manual_seed(1))
+    ref = clipped_sum(model, per_example_grads(model, loss_fn, x, y), 0.5, "all-layer", "abadi")
+    engine = PerSampleEngine(model, max_grad_norm=0.5, clipping="all-layer").attach()
+    engine.deferred_zeros = deferred_zeros
+    seen: list = []
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: seen.append((name, None if g is None else bool(g.eq(0).all()))))
+    try:
+        with engine.micro_batch(batch_size=3):
+            loss_fn(model(x), y).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.double(), ref[name], rtol=1e-4, atol=1e-6)
+        # each parameter's hook sees what the sites returned: zeros, or no gradient at all
+        assert sorted(seen) == sorted((n, True if deferred_zeros else None) for n, _ in model.named_parameters())
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(UnsupportedLayerError, match="'o.weight' received a gradient"), \
+                engine.micro_batch(batch_size=3):
+            h = model(x)
+            (loss_fn(h, y) + torch.nn.functional.linear(x, model.o.weight).sum()).backward()
+    finally:
+        engine.detach()
+
+
 class SharedInputs(nn.Module):
     """A decoder block's q, k, v (three Linears reading one input) and a gated MLP's gate and up (two reading
     another), beside a Linear reading a different tensor of the same shape, whose input Gram is not theirs."""

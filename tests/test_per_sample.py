@@ -296,10 +296,12 @@ def test_book_keeping_drops_a_waiting_site_s_rows_where_its_kept_gradients_form_
         assert released < kept, (plain, released, kept)
 
 
-def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch):
+@pytest.mark.parametrize("deferred_zeros", [False, True])
+def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch, deferred_zeros):
     """The deferred writes go site by site: when a layer call's clipped sums reach ``p.grad`` its kept input and
-    output gradient are already released (no second copy of every gradient beside every site's records), a
-    Linear weight's sum is added into ``p.grad`` in place, and the result is still the oracle's."""
+    output gradient are already released (no second copy of every gradient beside every site's records); a
+    Linear weight's sum becomes ``p.grad``, or where the sites returned zeros into it (``deferred_zeros``) is
+    added into it in place, and the result is still the oracle's."""
     import weakref
 
     from lightning_dpzero.per_sample.linear import LinearRule
@@ -309,6 +311,7 @@ def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch):
     x, y = torch.randn(4, 5, generator=gen), torch.randint(0, 3, (4,), generator=gen)
     ref = clipped_sum(model, per_example_grads(model, nn.functional.cross_entropy, x, y), 0.1, "all-layer")
     engine = PerSampleEngine(model, max_grad_norm=0.1, clipping="all-layer").attach()
+    engine.deferred_zeros = deferred_zeros
     sites, alive_at_write, written = [], [], []
     original_clipped, original_write = LinearRule.clipped_grads, engine.window.write
 
@@ -327,8 +330,10 @@ def test_all_layer_frees_each_site_as_soon_as_its_sums_are_written(monkeypatch):
     with engine.micro_batch(batch_size=4):
         nn.functional.cross_entropy(model(x), y).backward()
     assert len(sites) == 3 and alive_at_write == [[False], [False, False], [False, False, False]]
-    # each weight's sum was added into p.grad in place (one addmm), only the biases went through window.write
-    assert sorted(written) == sorted(id(model[k].bias) for k in (0, 2, 4))
+    # with zeros in p.grad each weight's sum was added into it in place (one addmm), only the biases went
+    # through window.write; without, every sum did, as the parameter's first gradient
+    assert sorted(written) == sorted(id(p) for k in (0, 2, 4) for p in model[k].parameters()
+                                     if deferred_zeros is False or p is model[k].bias)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-6, msg=n)
 

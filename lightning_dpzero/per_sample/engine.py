@@ -17,9 +17,9 @@ has run its backward; then its per-example norms give the coefficients and:
 * if every parameter of the group is an input of the completing site (layer-wise, and also a tied or
   reused layer, whose last site returns the sum over all its sites), the clipped gradient is returned
   through autograd from that site, so DeepSpeed's reduce hooks see it like any gradient;
-* otherwise (all-layer, a group spanning layers) each site returns zeros and the clipped gradients are
-  written into ``p.grad`` at the end of the backward pass (book-keeping, Bu et al. 2023). Under ZeRO 1–3
-  this needs DeepSpeed's coalesced reduction (``needs_deferred_writes``).
+* otherwise (all-layer, a group spanning layers) each site returns nothing (``deferred_zeros``: zeros) and the
+  clipped gradients are written into ``p.grad`` at the end of the backward pass (book-keeping, Bu et al. 2023).
+  Under ZeRO 1–3 this needs DeepSpeed's coalesced reduction (``needs_deferred_writes``).
 
 A parameter used by several sites (tied weights, a layer called twice) has its per-example gradients
 instantiated at each site and summed, so its norm is exact.
@@ -107,6 +107,9 @@ class PerSampleEngine:
         self.grad_scale = 1.0  # observed grad × grad_scale = gradient of the per-example loss (× B for "mean")
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
         self.window = WindowBuffer()  # clipped sums held until an accumulation window's boundary (window.py)
+        # zeros for deferred parameters only where hooks need a gradient of each in every backward (ZeRO 1-3, 16-bit
+        # optimizers); else none, and p.grad appears with its clipped sum (docs/design.md, *The per-example engine*)
+        self.deferred_zeros = False
         self._window_mode = False
         self._reset_pass()
         self.reset_stats()
@@ -288,7 +291,7 @@ class PerSampleEngine:
 
     # ---------------------------------------------------------------- backward
     def _on_backward(self, site: Site, params) -> list[Optional[torch.Tensor]]:
-        """A site's backward: its norms, then the clipped gradients it returns (zeros where deferred)."""
+        """A site's backward: its norms, then the clipped gradients it returns (none where deferred)."""
         if self.two_pass and self.phase is None:
             raise RuntimeError("clipping_mode='two-pass' needs the norms first: call engine.norms_pass(loss) "
                                "before loss.backward() (the strategies do).")
@@ -330,13 +333,12 @@ class PerSampleEngine:
         return self._returned(ids, params, out)
 
     def _returned(self, ids: list, params, out: dict[int, torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """What a site's backward returns for its parameters: the sums in ``out`` (zeros for the others, which
-        are deferred or have none), recorded for the guard."""
-        # (not ``out.get(i, zeros_like(p))``: that would fill a parameter-sized tensor of zeros for every
-        # parameter, returned or not, on every call)
-        grads = [None if i is None else out[i] if i in out else torch.zeros_like(p) for i, p in zip(ids, params)]
+        """What a site's backward returns for its parameters: the sums in ``out``; for the others, which are
+        deferred or have none, ``None`` (zeros where ``deferred_zeros``). Recorded for the guard."""
+        zero = torch.zeros_like if self.deferred_zeros else (lambda p: None)
+        grads = [None if i is None else out[i] if i in out else zero(p) for i, p in zip(ids, params)]
         for i, gr in zip(ids, grads):
-            if i is not None:
+            if gr is not None:
                 self._add(self._emitted, i, gr)
         return grads
 
