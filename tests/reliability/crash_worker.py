@@ -164,7 +164,7 @@ def run_case(case, out_dir, devices):
                         max_epochs=case.get("max_epochs"), accumulate_grad_batches=case.get("accumulate", 1),
                         limit_train_batches=case.get("limit_train_batches"),
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+                        num_sanity_val_steps=0, default_root_dir=out_dir)  # Lightning's own checkpoints: not the cwd
     result = {"ok": True}
     start = time.monotonic()
     try:
