@@ -172,13 +172,14 @@ def run_group(cases: list[dict], logdir: Path, timeout: float) -> dict:
     if ranks is None:
         return {"error": extra["error"], "log_tail": extra["log_tail"]}
     w = base["warmup"]
-    wall = {c["name"]: [max(r["step_s"][c["name"]][k] for r in ranks)
-                        for k in range(len(ranks[0]["step_s"][c["name"]]))][w:] for c in cases}
-    cpu = {c["name"]: [sum(r["cpu_s"][c["name"]][k] for r in ranks)
-                       for k in range(len(ranks[0]["cpu_s"][c["name"]]))][w:] for c in cases}
-    # a round's faults: the most any rank's step took (every step of every method should take none)
-    faults = {c["name"]: [max(r.get("faults", {}).get(c["name"], [0] * (k + 1))[k] for r in ranks)
-                          for k in range(len(ranks[0]["cpu_s"][c["name"]]))][w:] for c in cases}
+    def rounds(key: str, combine) -> dict[str, list[float]]:
+        """Per case, each timed round's value of ``key`` combined over the ranks."""
+        return {c["name"]: [combine(r[key][c["name"]][k] for r in ranks)
+                            for k in range(len(ranks[0][key][c["name"]]))][w:] for c in cases}
+
+    # a round's wall time: the slowest rank's; its CPU time: the sum over ranks; its faults: the most any rank's
+    # step took (every step of every method should take none)
+    wall, cpu, faults = rounds("step_s", max), rounds("cpu_s", sum), rounds("faults", max)
     out = {"launch_wall_s": extra["launch_wall_s"]}
     b = base["name"]
     for c in cases[1:]:

@@ -56,13 +56,13 @@ class DPSettings:
         (:func:`fp16_loss_scale_check`), and on ZeRO-3 release decisions that follow DeepSpeed's trace
         (:func:`._zero3_trace.keep_release_decisions_fresh`)."""
         self.prepare_clipping_mode(deepspeed_engine)
+        fp16 = bool(deepspeed_engine.fp16_enabled())
         # ZeRO 1-3 reduce each gradient in a hook as autograd accumulates it, and the 16-bit optimizers move it to
         # their fp32 copy there: those hooks must fire for every parameter, so deferred sites hand them zeros
         self.per_sample.deferred_zeros = bool(deepspeed_engine.zero_optimization_stage() >= 1
-                                              or deepspeed_engine.fp16_enabled()
-                                              or deepspeed_engine.bfloat16_enabled())
+                                              or fp16 or deepspeed_engine.bfloat16_enabled())
         self.mechanism.loss_factor_check = fp16_loss_scale_check(deepspeed_engine)
-        self.mechanism.loss_scaled_fp16 = bool(deepspeed_engine.fp16_enabled())
+        self.mechanism.loss_scaled_fp16 = fp16
         keep_release_decisions_fresh(deepspeed_engine)
 
     def prepare_clipping_mode(self, deepspeed_engine) -> None:

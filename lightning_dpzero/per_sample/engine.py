@@ -335,8 +335,8 @@ class PerSampleEngine:
     def _returned(self, ids: list, params, out: dict[int, torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """What a site's backward returns for its parameters: the sums in ``out``; for the others, which are
         deferred or have none, ``None`` (zeros where ``deferred_zeros``). Recorded for the guard."""
-        zero = torch.zeros_like if self.deferred_zeros else (lambda p: None)
-        grads = [None if i is None else out[i] if i in out else zero(p) for i, p in zip(ids, params)]
+        grads = [None if i is None else out[i] if i in out else torch.zeros_like(p) if self.deferred_zeros else None
+                 for i, p in zip(ids, params)]
         for i, gr in zip(ids, grads):
             if gr is not None:
                 self._add(self._emitted, i, gr)
