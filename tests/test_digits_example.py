@@ -8,10 +8,10 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
+from gloo_exit import run_with_one_retry
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "digits.py"
@@ -31,15 +31,7 @@ def _run(args, timeout, example=EXAMPLE):
 
 def run_digits(*args: str, timeout: float = 300, example: Path = EXAMPLE) -> dict:
     """Run ``example`` (default examples/digits.py) with ``args``; its final line's numbers and its stdout."""
-    proc = _run(args, timeout, example)
-    if proc.returncode != 0:
-        # Rarely (about 1 run in 40, only seen with other multi-process jobs loading the machine) a 2-process
-        # gloo run dies at exit ("terminate called without an active exception") or loses its peer. Try once
-        # more, and keep the first failure visible as a warning.
-        first = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        proc = _run(args, timeout, example)
-        if proc.returncode == 0:
-            warnings.warn(f"{example.name} {' '.join(args)} failed once, then passed:\n{first}")
+    proc = run_with_one_retry(lambda: _run(args, timeout, example), f"{example.name} {' '.join(args)}")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     lines = proc.stdout.strip().splitlines()
     match = FINAL.match(lines[-1]) if lines else None

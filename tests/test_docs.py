@@ -20,11 +20,11 @@ import shutil
 import subprocess
 import symtable
 import sys
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from gloo_exit import run_with_one_retry
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "docs" / "quickstart.py"
@@ -322,20 +322,9 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run_script(name: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``python name`` in ``cwd``. Rarely a 2-process gloo run dies at exit or loses its peer when other
-    multi-process jobs load the machine (tests/test_digits_example.py sees the same): one more try, with the
-    first failure kept visible as a warning."""
-    def run():
-        return subprocess.run([sys.executable, name], cwd=cwd, env=_clean_env(), capture_output=True, text=True,
-                              timeout=300)
-
-    proc = run()
-    if proc.returncode != 0:
-        first = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        proc = run()
-        if proc.returncode == 0:
-            warnings.warn(f"{name} failed once, then passed:\n{first}")
-    return proc
+    """``python name`` in ``cwd``, once more if it fails (:mod:`gloo_exit`)."""
+    return run_with_one_retry(lambda: subprocess.run([sys.executable, name], cwd=cwd, env=_clean_env(),
+                                                     capture_output=True, text=True, timeout=300), name)
 
 
 @pytest.fixture(scope="module")

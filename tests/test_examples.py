@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gloo_exit import run_with_one_retry
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,8 @@ def run(cmd: list[str], timeout: float = 600, stderr: bool = False):
     with ``stderr=True``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_with_one_retry(lambda: subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                                     timeout=timeout), " ".join(cmd))
     assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
