@@ -1,5 +1,6 @@
 """Collating an empty Poisson micro-batch: a batch of 0 rows with the structure, shapes and dtypes of a real one
-(docs/design.md, *The mechanism*: an empty batch is a valid, noise-only step)."""
+(docs/design.md, *The mechanism*: an empty batch is a valid, noise-only step), and the one-row stand-in its
+forward runs on (:func:`stand_in_batch`)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ class _EmptySafeCollate:
     def __init__(self, collate_fn: Callable[[list], Any], dataset: Any) -> None:
         self.collate_fn, self.dataset, self._template = collate_fn, dataset, None
 
+    def stand_in(self) -> Any:
+        """The dataset's first example collated as a batch of one: the forward's input for an empty micro-batch
+        whose model cannot run zero rows (:func:`stand_in_batch`)."""
+        return self.collate_fn([self.dataset[0]])
+
     def __call__(self, examples: list) -> Any:
         if len(examples) > 0:
             return self.collate_fn(examples)
@@ -55,3 +61,13 @@ def empty_safe_collate(collate_fn: Callable[[list], Any] | None, dataset: Any) -
     if isinstance(collate_fn, _EmptySafeCollate):
         return collate_fn
     return _EmptySafeCollate(default_collate if collate_fn is None else collate_fn, dataset)
+
+
+def stand_in_batch(loader: Any) -> Any:
+    """A one-row batch with the structure of ``loader``'s batches, to run the forward of an empty Poisson
+    micro-batch on where the model cannot run zero rows (a Hugging Face attention's ``view(B, T, -1, d)``): every
+    rank then runs the same forward and backward, so ZeRO-3's gathers stay matched. Its values (the dataset's
+    first example) never reach the update: the engine hands every parameter the clipped sum of no example for it
+    (``PerSampleEngine.start_micro_batch``). ``None`` where the loader's collate is not the private loader's."""
+    collate = getattr(loader, "collate_fn", None)
+    return collate.stand_in() if isinstance(collate, _EmptySafeCollate) else None

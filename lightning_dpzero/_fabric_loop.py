@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from ._collate import stand_in_batch
 from ._collectives import sum_over_ranks
 from ._options import AccountingWorker
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
@@ -30,8 +31,7 @@ _LOOP = ("The loop of a DP Fabric run is, per optimizer step: draw one batch fro
 
 def _announcing_iter(loader):
     for batch in super(type(loader), loader).__iter__():
-        loader._dp_steps.drawn(batch)
-        yield batch
+        yield loader._dp_steps.drawn(batch, loader)
 
 
 def announce_draws(loader: DataLoader, steps: "FabricSteps") -> DataLoader:
@@ -54,6 +54,7 @@ class FabricSteps:
         self.phase = "ready"
         self.draws = 0
         self.batch_size: Optional[int] = None
+        self.stand_in_rows = 0  # > 0: the batch drawn was empty and the loop got its stand-in of that many rows
         self.fit_started = False
         self.taken = 0  # optimizer steps taken (charged), over the run's lineage (restored with a checkpoint)
         self.tracker = EpsilonTracker()
@@ -78,7 +79,9 @@ class FabricSteps:
         return ledger_epsilon(self.mechanism.ledger, self._ahead, self.tracker, exact)
 
     # ------------------------------------------------------------------ the calls of the user's loop
-    def drawn(self, batch: Any) -> None:
+    def drawn(self, batch: Any, loader: Any = None) -> Any:
+        """Count a draw of ``loader`` and return what the loop gets: the batch, or for an empty one its one-row
+        stand-in (``_collate.stand_in_batch``; the engine takes no example of it, and its loss becomes 0)."""
         from lightning.pytorch.utilities.data import extract_batch_size
 
         self.draws += 1
@@ -86,6 +89,11 @@ class FabricSteps:
             self.batch_size = extract_batch_size(batch)
         except Exception:  # noqa: BLE001 - no tensor found: each layer reads B from its input
             self.batch_size = None
+        self.stand_in_rows = 0
+        if self.batch_size == 0 and (stand_in := stand_in_batch(loader)) is not None:
+            self.stand_in_rows = extract_batch_size(stand_in)
+            return stand_in
+        return batch
 
     def before_forward(self) -> None:
         """A training forward (module in training mode, gradients on) is about to run."""

@@ -23,11 +23,15 @@ def logging_suppressed(module):
 
 
 def zero_loss(out):
-    """The loss of an empty Poisson batch (NaN: a mean over no examples) as 0, in a tensor or a ``{'loss': ...}``."""
+    """The loss of an empty Poisson batch (NaN: a mean over no examples; a stand-in's: any value) as 0, in a tensor
+    or a ``{'loss': ...}``."""
+    def zero(loss: torch.Tensor) -> torch.Tensor:
+        return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0
+
     if isinstance(out, torch.Tensor):
-        return torch.nan_to_num(out, nan=0.0) if out.numel() == 1 else out
+        return zero(out) if out.numel() == 1 else out
     if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        return {**out, "loss": torch.nan_to_num(out["loss"], nan=0.0)}
+        return {**out, "loss": zero(out["loss"])}
     return out
 
 

@@ -148,6 +148,14 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         return self.mechanism.plan
 
     @property
+    def stand_in_batch(self) -> bool:
+        """True while the step's batch drawn from the loader was empty (Poisson sampling can draw none): the loop
+        got a one-row stand-in for it instead, which any model can run (a Hugging Face attention cannot run zero
+        rows) and of which the step takes no example (its loss becomes 0, its gradient is left out). Skip your
+        own per-example metrics for it."""
+        return self.steps.stand_in_rows > 0
+
+    @property
     def should_stop(self) -> bool:
         """True when one more optimizer step would make ε exceed ``target_epsilon`` (every rank alike): end the
         loop. A step taken anyway is refused with :class:`PrivacyBudgetExceeded` at its forward."""
@@ -242,10 +250,10 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
             try:
                 self.mechanism.check_layout(
                     lambda index: engine(*reindex_batch(args, index), **reindex_batch(kwargs, index)),
-                    steps.batch_size)
+                    steps.stand_in_rows or steps.batch_size)
             finally:
                 self._in_layout_check = False
-        self.per_sample.start_micro_batch(steps.batch_size)
+        self.per_sample.start_micro_batch(steps.batch_size, steps.stand_in_rows)
         return None
 
     @override

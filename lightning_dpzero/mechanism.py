@@ -275,14 +275,15 @@ class DPMechanism:
 
     # ------------------------------------------------------------------------------------------ per micro-batch
     def training_step(self, run: Callable[[], Any], batch_size: Optional[int], *, module: Any = None,
-                      step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
+                      step: Optional[int] = None, epoch: Optional[int] = None, stand_in_rows: int = 0) -> Any:
         """Run one micro-batch's ``training_step`` (``run()``), declared to the engine as ``batch_size`` examples
         (None: read from each layer's input), and stop on a non-finite loss (:meth:`check_finite_loss`).
 
-        An empty Poisson batch is a valid noise-only step that every rank must run (collectives). The mean loss
-        over no examples is NaN: ``module``'s ``log``/``log_dict`` calls are dropped for it, so no epoch mean
-        turns NaN, and the loss handed to backward is 0 (its gradient is exactly zero either way)."""
-        self.engine.start_micro_batch(batch_size)
+        An empty Poisson batch is a valid noise-only step that every rank must run (collectives), on its zero rows
+        or, with ``stand_in_rows``, on a stand-in of that many rows (``_collate.stand_in_batch``), of which the
+        engine takes no example. The mean loss over no examples is NaN: ``module``'s ``log``/``log_dict`` calls
+        are dropped for it, so no epoch mean turns NaN, and the loss handed to backward is 0."""
+        self.engine.start_micro_batch(batch_size, stand_in_rows)
         if batch_size != 0:
             return self.check_finite_loss(run(), step, epoch)
         with logging_suppressed(module):

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from . import _known_warnings, _lightning_loop as _loop, _refusals
+from ._collate import stand_in_batch
 from ._dp_settings import DPSettings
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
@@ -123,6 +124,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                               layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
+        self._private_loader: Any = None  # the training loader process_dataloader built (an empty batch's stand-in)
 
     # ------------------------------------------------------------------ the mechanism's settings and state
     noise_multiplier = _OfMechanism()
@@ -176,7 +178,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not self.mechanism.active:
             return super().process_dataloader(dataloader)
         k, sharded = trainer.accumulate_grad_batches, not trainer._accelerator_connector.use_distributed_sampler
-        loader = self.mechanism.private_loader(dataloader, k, pre_sharded=sharded)  # each rank's own shard?
+        loader = self._private_loader = self.mechanism.private_loader(dataloader, k, pre_sharded=sharded)
         per_epoch = _refusals.micro_batches_per_epoch(dataloader, loader, trainer)
         self.mechanism.fix_plan(loader, accumulate_grad_batches=k, max_steps=trainer.max_steps,
                                 max_epochs=trainer.max_epochs, micro_batches_per_epoch=per_epoch)
@@ -195,16 +197,22 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
 
+        batch_size = extract_batch_size(args[0]) if args else None
+        rows = batch_size  # what the forward runs on: an empty batch's one-row stand-in, where there is one
+        if batch_size == 0 and (stand_in := stand_in_batch(self._private_loader)) is not None:
+            args = (self.batch_to_device(stand_in), *args[1:])
+            rows = extract_batch_size(args[0])
+
         def run(batch_args=args):
             with _refusals.explain_released_parameters(self.zero_stage):
                 return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
 
-        batch_size = extract_batch_size(args[0]) if args else None
         if self.layout_check and args and not self.per_sample.layout_verified:  # before the first update
-            self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), batch_size,
+            self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), rows,
                                         module=self.lightning_module)
         out = self.mechanism.training_step(run, batch_size, module=self.lightning_module,
-                                           step=trainer.global_step + 1, epoch=trainer.current_epoch)
+                                           step=trainer.global_step + 1, epoch=trainer.current_epoch,
+                                           stand_in_rows=rows if batch_size == 0 else 0)
         self._fit_loop.after_micro_batch()
         return out
 

@@ -207,7 +207,9 @@ def test_an_empty_poisson_batch_is_a_noise_only_step():
     fabric, model, optimizer, loader = _setup_all(batch_size=1)  # q = 1/64: most batches are empty
     sizes = []
     for batch in loader:
-        sizes.append(len(batch[0]))
+        # an empty batch reaches the loop as a one-row stand-in, which the step takes no example of
+        sizes.append(0 if fabric.strategy.stand_in_batch else len(batch[0]))
+        assert len(batch[0]) > 0
         _step(fabric, model, optimizer, batch)
     assert 0 in sizes and fabric.strategy.ledger.steps == len(sizes)
     assert all(math.isfinite(p.abs().sum().item()) for p in model.parameters())

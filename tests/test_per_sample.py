@@ -167,6 +167,26 @@ def test_empty_micro_batch_gives_zero_gradients(kind):
     assert all(not p.grad.any() for p in flat.parameters())
 
 
+@pytest.mark.parametrize("kind", ["token", "conv"])
+@pytest.mark.parametrize("clipping,mode", CLIPPINGS)
+def test_an_empty_batch_stand_in_adds_nothing_whatever_its_values(kind, clipping, mode):
+    """An empty micro-batch whose forward runs on a one-row stand-in: every parameter gets exactly the zero
+    gradient of no example, even from a stand-in whose loss and gradients are NaN, and no norm is counted."""
+    model, x, y = _data(kind, 1, torch.Generator().manual_seed(0))
+    engine = PerSampleEngine(model, max_grad_norm=1.0, clipping=clipping, clipping_mode=mode).attach()
+    engine.start_micro_batch(0, stand_in_rows=1)
+    engine.set_loss_factors(1.0, 1.0)
+    loss = nn.functional.cross_entropy(model(x), y) * math.nan  # the stand-in's values must not matter
+    backward(engine, loss)
+    engine.finalize()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() == 0, n
+    assert engine.stats["examples"] == 0
+    with engine.micro_batch(batch_size=1):  # the next micro-batch is a real one again
+        backward(engine, nn.functional.cross_entropy(model(x), y))
+    assert engine.stats["examples"] == 1 and not engine.stand_in
+
+
 def test_frozen_parameters_cost_nothing_and_stay_untouched():
     model = TokenModel()
     for p in model.emb.parameters():

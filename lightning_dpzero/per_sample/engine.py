@@ -104,6 +104,7 @@ class PerSampleEngine:
         self.active = False
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
+        self.stand_in = False  # the forward runs on a stand-in for an empty micro-batch (start_micro_batch)
         self.grad_scale = 1.0  # observed grad × grad_scale = gradient of the per-example loss (× B for "mean")
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
         self.window = WindowBuffer()  # clipped sums held until an accumulation window's boundary (window.py)
@@ -187,13 +188,17 @@ class PerSampleEngine:
             yield
         finally:
             self.finalize()
-            self.expected_batch_size = None
+            self.expected_batch_size, self.stand_in = None, False
 
-    def start_micro_batch(self, batch_size: Optional[int]) -> None:
+    def start_micro_batch(self, batch_size: Optional[int], stand_in_rows: int = 0) -> None:
         """A micro-batch of ``batch_size`` examples (``None``: read each layer's first input dimension) starts
-        its forward: sites of an earlier forward that never ran backward are forgotten."""
+        its forward: sites of an earlier forward that never ran backward are forgotten. ``stand_in_rows`` > 0:
+        the micro-batch is empty and its forward runs on a stand-in of that many rows (a model that cannot run
+        zero rows still runs every collective); the stand-in holds no example of the step, so every site hands
+        each parameter the clipped sum of no example, zeros, whatever the stand-in's values."""
         check_none_unfrozen(self)
-        self.expected_batch_size = batch_size
+        self.expected_batch_size = stand_in_rows or batch_size
+        self.stand_in = stand_in_rows > 0
         self.new_forward()
 
     def set_loss_factors(self, grad_scale: float, emit_scale: float) -> None:
@@ -299,6 +304,9 @@ class PerSampleEngine:
             self._pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
         hook = site.hook
+        if self.stand_in:  # no example: each clipped sum is zero, as an empty batch's (no norm is taken)
+            zeros = {i: torch.zeros_like(p) for i, p in zip(hook.param_ids, params) if i is not None}
+            return [None] * len(params) if self.phase == "norms" else self._returned(hook.param_ids, params, zeros)
         scale = site.scale = self.grad_scale * (site.x.shape[0] if self.loss_reduction == "mean" else 1)
         if self.phase == "clip":
             return self._returned(hook.param_ids, params, clip_site(self, site))
