@@ -83,6 +83,27 @@ def test_custom_layers_match_the_oracle(clipping):
     assert ("1", "InstantiatedGradsRule") in _check(model, torch.randn(4, 7, 3), clipping=clipping)
 
 
+class Temperature(nn.Module):
+    """A learned scalar of shape (1,): a scale, not a batch-first tensor (no per-example view of it broadcasts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.ones(1) * 1.3)
+
+    def forward(self, x):
+        return x / self.t
+
+
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+@pytest.mark.parametrize("layer", [nn.PReLU, Temperature], ids=["prelu", "scalar"])
+def test_a_scalar_parameter_of_shape_1_is_clipped_by_the_generic_rule(clipping, layer):
+    """nn.PReLU()'s weight and a learned temperature, both (1,): the generic rule clips them (per-example views
+    of shape (B,) would broadcast over the features, not the batch, and were refused)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 6), layer(), nn.Linear(6, 2))
+    assert ("1", "InstantiatedGradsRule") in _check(model, torch.randn(5, 4, 3), clipping=clipping)
+
+
 class Twice(nn.Module):
     def __init__(self):
         super().__init__()
