@@ -74,7 +74,8 @@ def batch_checked_input(hook, x: Any, extra: tuple[tuple, dict], expected: Optio
         raise UnsupportedLayerError(
             f"{type(hook.module).__name__} '{hook.name}' received an input {where}, but the "
             f"micro-batch has {b} examples. Per-example clipping needs the batch dimension first in every "
-            "layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), and use batch_first=True."
+            "layer: keep inputs as (B, T, d) instead of flattening to (B*T, d), and use batch_first=True; and "
+            "the training forward must run on the micro-batch drawn for the step, not on other data."
         )
     return x
 
