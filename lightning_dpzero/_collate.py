@@ -4,6 +4,7 @@ forward runs on (:func:`stand_in_batch`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -70,4 +71,14 @@ def stand_in_batch(loader: Any) -> Any:
     first example) never reach the update: the engine hands every parameter the clipped sum of no example for it
     (``PerSampleEngine.start_micro_batch``). ``None`` where the loader's collate is not the private loader's."""
     collate = getattr(loader, "collate_fn", None)
-    return collate.stand_in() if isinstance(collate, _EmptySafeCollate) else None
+    if not isinstance(collate, _EmptySafeCollate):
+        return None
+    try:
+        return collate.stand_in()
+    except Exception as e:  # noqa: BLE001 - e.g. a dataset that opens its files in its DataLoader workers only
+        if not getattr(collate, "_stand_in_warned", False):
+            collate._stand_in_warned = True
+            warnings.warn(f"An empty Poisson micro-batch runs on its zero rows: its one-row stand-in could not be "
+                          f"built from the dataset's first example in the main process ({type(e).__name__}: {e}). "
+                          "A model that cannot run zero rows fails on such a batch.", stacklevel=2)
+        return None

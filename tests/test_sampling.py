@@ -1,6 +1,7 @@
 """Tests for lightning_dpzero.sampling: Poisson sampling statistics, sharding, equal lengths, collate, loaders."""
 from __future__ import annotations
 
+import warnings
 from collections import namedtuple
 
 import numpy as np
@@ -168,6 +169,33 @@ def test_empty_safe_collate_shapes():
     assert isinstance(batch["p"], Point) and batch["p"].x.shape == (0, 2) and len(batch["p"].label) == 0
     with pytest.raises(IndexError):  # the reason the wrapper exists
         torch.utils.data.default_collate([])
+
+
+class WorkerOnlyDataset(TensorDataset):
+    """Readable in DataLoader workers only (as a dataset that opens its files in ``worker_init_fn``)."""
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is None:
+            raise RuntimeError("open the files first")
+        return super().__getitem__(i)
+
+
+def test_the_stand_in_of_an_empty_batch_is_the_first_example_as_a_batch_of_one():
+    from torch.utils.data import DataLoader
+
+    from lightning_dpzero._collate import stand_in_batch
+
+    ds = DictDataset()
+    batch = stand_in_batch(DataLoader(ds, batch_size=2, collate_fn=empty_safe_collate(None, ds)))
+    assert batch["x"].shape == (1, 3, 4) and batch["y"].tolist() == [0] and list(batch["p"].label) == ["a"]
+    assert stand_in_batch(DataLoader(ds, batch_size=2)) is None  # not the private loader's collate
+    ds = WorkerOnlyDataset(torch.randn(4, 2))
+    loader = DataLoader(ds, batch_size=2, collate_fn=empty_safe_collate(None, ds))
+    with pytest.warns(UserWarning, match=r"runs on its zero rows.*RuntimeError: open the files first"):
+        assert stand_in_batch(loader) is None  # the empty batch then runs on its zero rows, as before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert stand_in_batch(loader) is None  # warned once
 
 
 def _worker_init(worker_id):  # module level: picklable
