@@ -36,12 +36,15 @@ class _EmptySafeCollate:
     """Picklable wrapper (DataLoader workers may be spawned); each worker caches its own template."""
 
     def __init__(self, collate_fn: Callable[[list], Any], dataset: Any) -> None:
-        self.collate_fn, self.dataset, self._template = collate_fn, dataset, None
+        self.collate_fn, self.dataset, self._template, self._first = collate_fn, dataset, None, None
 
     def stand_in(self) -> Any:
         """The dataset's first example collated as a batch of one: the forward's input for an empty micro-batch
-        whose model cannot run zero rows (:func:`stand_in_batch`)."""
-        return self.collate_fn([self.dataset[0]])
+        whose model cannot run zero rows (:func:`stand_in_batch`). The example is read once, collated anew
+        each time (the batch hooks may change a batch in place)."""
+        if self._first is None:
+            self._first = (self.dataset[0],)
+        return self.collate_fn([self._first[0]])
 
     def __call__(self, examples: list) -> Any:
         if len(examples) > 0:

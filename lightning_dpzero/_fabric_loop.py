@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from ._collate import stand_in_batch
 from ._collectives import sum_over_ranks
+from ._micro_batch import random_state_kept
 from ._options import AccountingWorker
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
 from .accounting.background import AccountingAhead, Answerer, ledger_epsilon
@@ -90,7 +91,10 @@ class FabricSteps:
         except Exception:  # noqa: BLE001 - no tensor found: each layer reads B from its input
             self.batch_size = None
         self.stand_in_rows = 0
-        if self.batch_size == 0 and (stand_in := stand_in_batch(loader)) is not None:
+        if self.batch_size == 0:
+            with random_state_kept(torch.device("cpu")):  # reading the example draws nothing the loop sees
+                stand_in = stand_in_batch(loader)
+        if self.batch_size == 0 and stand_in is not None:
             self.stand_in_rows = extract_batch_size(stand_in)
             return stand_in
         return batch

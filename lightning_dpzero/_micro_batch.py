@@ -4,7 +4,7 @@ non-finite loss (docs/design.md, *Where each piece runs*: forward)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -20,6 +20,37 @@ def logging_suppressed(module):
         yield
     finally:
         del module.log, module.log_dict
+
+
+@contextlib.contextmanager
+def random_state_kept(device: torch.device):
+    """The random streams (Python's, NumPy's, torch's on the CPU and on ``device``) are as they were after the
+    block: an empty micro-batch's stand-in, built and run forward inside it, draws nothing a later step sees
+    (dropout masks would otherwise depend on the stand-in's shape)."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state()
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+
+
+def without_rows(out: Any) -> Any:
+    """A stand-in's ``training_step`` output for the hooks after it: every tensor with rows sliced to none (as an
+    empty batch's would be), lists emptied; the loss and other scalars kept."""
+    if isinstance(out, dict):
+        return {k: v if k == "loss" else without_rows(v) for k, v in out.items()}
+    if isinstance(out, torch.Tensor):
+        return out[:0] if out.dim() else out
+    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
+        return type(out)(without_rows(v) for v in out) if any(isinstance(v, (torch.Tensor, dict, list, tuple))
+                                                            for v in out) else type(out)()
+    return out
 
 
 def zero_loss(out):

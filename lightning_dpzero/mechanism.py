@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ._collectives import Collectives, SingleProcess, sum_over_ranks
-from ._micro_batch import logging_suppressed, non_finite_loss_message, zero_loss
+from ._micro_batch import logging_suppressed, non_finite_loss_message, without_rows, zero_loss
 from ._step_counts import StepCounts
 from .accounting import PrivacyLedger
 from .accounting.truncation import check_max_micro_batch_size
@@ -288,7 +288,7 @@ class DPMechanism:
             return self.check_finite_loss(run(), step, epoch)
         with logging_suppressed(module):
             out = run()
-        return self.check_finite_loss(zero_loss(out), step, epoch)
+        return self.check_finite_loss(zero_loss(without_rows(out) if stand_in_rows else out), step, epoch)
 
     def micro_batch_loss(self, loss: Any, batch_size: Optional[int], *, step: Optional[int] = None) -> Any:
         """What :meth:`training_step` does after ``run()``, for a driver whose user computes the loss outside a

@@ -24,9 +24,9 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from . import _known_warnings, _lightning_loop as _loop, _refusals
-from ._collate import stand_in_batch
+from . import _collate, _known_warnings, _lightning_loop as _loop, _refusals
 from ._dp_settings import DPSettings
+from ._micro_batch import random_state_kept
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
 from ._strategy_names import register_names
@@ -195,26 +195,51 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         if not self.mechanism.active:
             return super().training_step(*args, **kwargs)
-        trainer = self.lightning_module.trainer
-
         batch_size = extract_batch_size(args[0]) if args else None
-        rows = batch_size  # what the forward runs on: an empty batch's one-row stand-in, where there is one
-        if batch_size == 0 and (stand_in := stand_in_batch(self._private_loader)) is not None:
-            args = (self.batch_to_device(stand_in), *args[1:])
-            rows = extract_batch_size(args[0])
+        if batch_size != 0 or not args:
+            out = self._training_step(args, kwargs, batch_size, batch_size)
+        else:  # an empty batch: its one-row stand-in, which draws from no random stream a later step sees
+            with random_state_kept(self.root_device):
+                stand_in = self._stand_in()
+                if stand_in is None:
+                    out = self._training_step(args, kwargs, 0, 0)
+                else:
+                    out = self._training_step((stand_in, *args[1:]), kwargs, 0, extract_batch_size(stand_in))
+        self._fit_loop.after_micro_batch()
+        return out
 
+    def _training_step(self, args: tuple, kwargs: dict, batch_size: Optional[int], rows: Optional[int]):
+        """The micro-batch's step through the mechanism (and the layout check before the first update); ``rows``:
+        the rows ``args[0]`` holds, those of an empty batch's stand-in where ``batch_size`` is 0."""
         def run(batch_args=args):
             with _refusals.explain_released_parameters(self.zero_stage):
                 return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
 
+        trainer = self.lightning_module.trainer
         if self.layout_check and args and not self.per_sample.layout_verified:  # before the first update
             self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), rows,
                                         module=self.lightning_module)
-        out = self.mechanism.training_step(run, batch_size, module=self.lightning_module,
-                                           step=trainer.global_step + 1, epoch=trainer.current_epoch,
-                                           stand_in_rows=rows if batch_size == 0 else 0)
-        self._fit_loop.after_micro_batch()
-        return out
+        return self.mechanism.training_step(run, batch_size, module=self.lightning_module,
+                                            step=trainer.global_step + 1, epoch=trainer.current_epoch,
+                                            stand_in_rows=rows if batch_size == 0 else 0)
+
+    def _stand_in(self) -> Any:
+        """An empty micro-batch's one-row stand-in (``_collate.stand_in_batch``), prepared as Lightning's loop
+        prepares a batch: the precision's input conversion, ``on_before_batch_transfer``, the transfer."""
+        batch = _collate.stand_in_batch(self._private_loader)
+        if batch is None:
+            return None
+        batch = self.lightning_module.trainer.precision_plugin.convert_input(batch)
+        batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return self.batch_to_device(batch, dataloader_idx=0)
+
+    @property
+    def stand_in_batch(self) -> bool:
+        """True from the start of a micro-batch that Poisson sampling drew empty until the next one starts: its
+        ``training_step`` runs on a one-row stand-in (the dataset's first example), as models that cannot run
+        zero rows need, of which the step takes no example (its loss is 0, its gradient left out, its logs
+        dropped, its outputs' rows removed). Keep it out of metric objects you update in ``training_step``."""
+        return bool(self.per_sample is not None and self.per_sample.stand_in)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
