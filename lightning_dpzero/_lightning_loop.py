@@ -60,6 +60,36 @@ def check_window_start(trainer) -> None:
             f"accumulate_grad_batches that divides {index}, e.g. accumulate_grad_batches=1.")
 
 
+def prepared_stand_in(strategy) -> Any:
+    """An empty micro-batch's one-row stand-in (``_collate.stand_in_batch``) from the strategy's private loader,
+    prepared as Lightning's loop prepares a batch: the precision's input conversion, ``on_before_batch_transfer``,
+    the transfer; ``None`` where there is none."""
+    from ._collate import stand_in_batch
+
+    batch = stand_in_batch(strategy._private_loader)
+    if batch is None:
+        return None
+    module = strategy.lightning_module
+    batch = module.trainer.precision_plugin.convert_input(batch)
+    batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def empty_batch_step(strategy, args: tuple, step) -> Any:
+    """An empty micro-batch's ``step(args, rows)`` on its one-row stand-in (:func:`prepared_stand_in`; on its zero
+    rows where there is none), built and run with the random streams restored afterwards: a later step's dropout
+    mask must not depend on the stand-in's shape."""
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    from ._micro_batch import random_state_kept
+
+    with random_state_kept(strategy.root_device):
+        stand_in = prepared_stand_in(strategy)
+        if stand_in is None:
+            return step(args, 0)
+        return step((stand_in, *args[1:]), extract_batch_size(stand_in))
+
+
 def step_counters(trainer, deepspeed_engine, with_this_update: bool = False) -> dict[str, int]:
     """Lightning's and DeepSpeed's update counters. ``with_this_update`` (inside DeepSpeed's boundary step, before
     the update): each counting the update being built if it will (Lightning counts it when its loop does not

@@ -24,9 +24,8 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from . import _collate, _known_warnings, _lightning_loop as _loop, _refusals
+from . import _known_warnings, _lightning_loop as _loop, _refusals
 from ._dp_settings import DPSettings
-from ._micro_batch import random_state_kept
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
 from ._strategy_names import register_names
@@ -196,21 +195,15 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if not self.mechanism.active:
             return super().training_step(*args, **kwargs)
         batch_size = extract_batch_size(args[0]) if args else None
-        if batch_size != 0 or not args:
+        if batch_size == 0 and args:  # an empty batch: on its one-row stand-in (_lightning_loop.empty_batch_step)
+            out = _loop.empty_batch_step(self, args, lambda a, rows: self._training_step(a, kwargs, 0, rows))
+        else:
             out = self._training_step(args, kwargs, batch_size, batch_size)
-        else:  # an empty batch: its one-row stand-in, which draws from no random stream a later step sees
-            with random_state_kept(self.root_device):
-                stand_in = self._stand_in()
-                if stand_in is None:
-                    out = self._training_step(args, kwargs, 0, 0)
-                else:
-                    out = self._training_step((stand_in, *args[1:]), kwargs, 0, extract_batch_size(stand_in))
         self._fit_loop.after_micro_batch()
         return out
 
     def _training_step(self, args: tuple, kwargs: dict, batch_size: Optional[int], rows: Optional[int]):
-        """The micro-batch's step through the mechanism (and the layout check before the first update); ``rows``:
-        the rows ``args[0]`` holds, those of an empty batch's stand-in where ``batch_size`` is 0."""
+        """The micro-batch's step (and layout check) through the mechanism; ``rows``: those ``args[0]`` holds."""
         def run(batch_args=args):
             with _refusals.explain_released_parameters(self.zero_stage):
                 return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
@@ -223,22 +216,10 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                                             step=trainer.global_step + 1, epoch=trainer.current_epoch,
                                             stand_in_rows=rows if batch_size == 0 else 0)
 
-    def _stand_in(self) -> Any:
-        """An empty micro-batch's one-row stand-in (``_collate.stand_in_batch``), prepared as Lightning's loop
-        prepares a batch: the precision's input conversion, ``on_before_batch_transfer``, the transfer."""
-        batch = _collate.stand_in_batch(self._private_loader)
-        if batch is None:
-            return None
-        batch = self.lightning_module.trainer.precision_plugin.convert_input(batch)
-        batch = self.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-        return self.batch_to_device(batch, dataloader_idx=0)
-
     @property
     def stand_in_batch(self) -> bool:
-        """True from the start of a micro-batch that Poisson sampling drew empty until the next one starts: its
-        ``training_step`` runs on a one-row stand-in (the dataset's first example), as models that cannot run
-        zero rows need, of which the step takes no example (its loss is 0, its gradient left out, its logs
-        dropped, its outputs' rows removed). Keep it out of metric objects you update in ``training_step``."""
+        """True from the start of a micro-batch drawn empty to the next: its step runs on a one-row stand-in
+        that adds nothing to the update (docs/design.md); keep it out of metric objects updated in the step."""
         return bool(self.per_sample is not None and self.per_sample.stand_in)
 
     @override
