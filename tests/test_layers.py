@@ -717,3 +717,33 @@ def test_per_example_rows_take_the_faster_layout_and_every_reader_accepts_it(d, 
     torch.testing.assert_close(per_example_sq(per).double(), ref.pow(2).sum((1, 2)), **close)
     torch.testing.assert_close(weighted_sum(per, coef).double(), torch.einsum("b,bpd->pd", coef.double(), ref), **close)
     torch.testing.assert_close(weighted_sum_parts(list(per.split(2)), coef), weighted_sum(per, coef))
+
+
+@pytest.mark.parametrize("shape,k,n,contiguous", [((2, 9), 64, 8, True), ((5,), 96, 2, True), ((3, 4), 64, 1, True),
+                                                  ((3, 4), 64, 16, True), ((3, 4), 32, 8, True),
+                                                  ((3, 4), 64, 8, False), ((0, 4), 64, 8, True)])
+def test_narrow_input_gradient_is_formed_transposed_and_equals_the_product(shape, k, n, contiguous):
+    """``rows_matmul(a, w)`` is ``a @ w``; where MKL is slow (a contiguous ``w`` with 2-8 columns from 64 or more
+    rows: a LoRA up-projection's input gradient) it runs one ``mm`` of ``wᵀ`` and ``aᵀ`` instead, and a
+    contiguous result of the same shape comes back."""
+    from lightning_dpzero.per_sample.maths import rows_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(*shape, k, generator=gen)
+    w = torch.randn(k, n, generator=gen) if contiguous else torch.randn(n, k, generator=gen).t()
+    with AtenOps() as ops:
+        out = rows_matmul(a, w)
+    torch.testing.assert_close(out.double(), a.double() @ w.double(), rtol=1e-5, atol=1e-5)
+    assert out.shape == (*shape, n) and out.is_contiguous()
+    transposed = contiguous and 2 <= n <= 8 and k >= 64 and a.numel() > 0
+    assert ("clone" in ops.names or "copy_" in ops.names) == transposed, ops.names
+
+
+@pytest.mark.parametrize("clip", [dict(clipping="layer-wise", clipping_fn="abadi", C=0.05, path=None, B=5, seed=1),
+                                  dict(clipping="all-layer", clipping_fn="automatic", C=0.3, path=None, B=3, seed=2)])
+def test_low_rank_adapter_pair_matches_oracle(clip):
+    """A LoRA-style pair, down-projection (64 → 4) then up-projection (4 → 64): the up-projection's input gradient
+    takes the transposed product; every clipped sum equals the oracle's."""
+    torch.manual_seed(clip["seed"])
+    model = nn.Sequential(nn.Linear(64, 4, bias=False), nn.Linear(4, 64, bias=False), nn.Tanh())
+    check_oracle(model, torch.randn(clip["B"], 6, 64), clip)

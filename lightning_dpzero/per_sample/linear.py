@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
-from .maths import (batch_rows, param_shape, per_example_sq, rows_norm_sq, rows_per_example, weighted_rows_grad,
-                    weighted_sum, weighted_sum_parts)
+from .maths import (batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example,
+                    weighted_rows_grad, weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
 
@@ -30,7 +30,7 @@ class LinearRule(LayerRule):
         return F.linear(x, weight, bias)
 
     def grad_input(self, site, params):
-        return site.g.matmul(params[0].to(site.g.dtype))
+        return rows_matmul(site.g, params[0].to(site.g.dtype))
 
     def _rows(self, module, x, g):
         """The layer as T rows per example: inputs (B, T, d) and output gradients (B, T, p)."""
