@@ -13,22 +13,23 @@ import torch
 from torch.utils.data._utils.collate import default_collate
 
 
-def _empty_like(batch: Any) -> Any:
-    """Slice every tensor/array leaf to [:0], keeping tuples, lists, dicts and namedtuples."""
+def empty_like(batch: Any) -> Any:
+    """Slice every tensor/array leaf with rows to [:0] (0-d ones, which have none, are kept), keeping tuples,
+    lists, dicts and namedtuples: the batch, or a step's outputs, of no example."""
     if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch[:0]
+        return batch[:0] if batch.ndim else batch
     if isinstance(batch, Mapping):
-        items = {k: _empty_like(v) for k, v in batch.items()}
+        items = {k: empty_like(v) for k, v in batch.items()}
         try:
             return type(batch)(items)
         except TypeError:
             return items
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_empty_like(v) for v in batch))
+        return type(batch)(*(empty_like(v) for v in batch))
     if isinstance(batch, (list, tuple)):
         if all(not isinstance(v, (torch.Tensor, np.ndarray, Mapping, list, tuple)) for v in batch):
             return type(batch)()  # a per-example list of plain values (strings, ...): 0 examples
-        return type(batch)(_empty_like(v) for v in batch)
+        return type(batch)(empty_like(v) for v in batch)
     return batch
 
 
@@ -51,7 +52,7 @@ class _EmptySafeCollate:
             return self.collate_fn(examples)
         if self._template is None:
             self._template = self.collate_fn([self.dataset[0]])
-        return _empty_like(self._template)
+        return empty_like(self._template)
 
 
 def empty_safe_collate(collate_fn: Callable[[list], Any] | None, dataset: Any) -> Callable[[list], Any]:

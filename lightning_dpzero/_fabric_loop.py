@@ -91,13 +91,14 @@ class FabricSteps:
         except Exception:  # noqa: BLE001 - no tensor found: each layer reads B from its input
             self.batch_size = None
         self.stand_in_rows = 0
-        if self.batch_size == 0:
-            with random_state_kept(torch.device("cpu")):  # reading the example draws nothing the loop sees
-                stand_in = stand_in_batch(loader)
-        if self.batch_size == 0 and stand_in is not None:
-            self.stand_in_rows = extract_batch_size(stand_in)
-            return stand_in
-        return batch
+        if self.batch_size != 0:
+            return batch
+        with random_state_kept(torch.device("cpu")):  # reading the example draws nothing the loop sees
+            stand_in = stand_in_batch(loader)
+        if stand_in is None:
+            return batch
+        self.stand_in_rows = extract_batch_size(stand_in)
+        return stand_in
 
     def before_forward(self) -> None:
         """A training forward (module in training mode, gradients on) is about to run."""

@@ -24,7 +24,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
+
+from ._collate import stand_in_batch
+from ._micro_batch import random_state_kept
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,6 @@ def prepared_stand_in(strategy) -> Any:
     """An empty micro-batch's one-row stand-in (``_collate.stand_in_batch``) from the strategy's private loader,
     prepared as Lightning's loop prepares a batch: the precision's input conversion, ``on_before_batch_transfer``,
     the transfer; ``None`` where there is none."""
-    from ._collate import stand_in_batch
-
     batch = stand_in_batch(strategy._private_loader)
     if batch is None:
         return None
@@ -79,10 +81,6 @@ def empty_batch_step(strategy, args: tuple, step) -> Any:
     """An empty micro-batch's ``step(args, rows)`` on its one-row stand-in (:func:`prepared_stand_in`; on its zero
     rows where there is none), built and run with the random streams restored afterwards: a later step's dropout
     mask must not depend on the stand-in's shape."""
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    from ._micro_batch import random_state_kept
-
     with random_state_kept(strategy.root_device):
         stand_in = prepared_stand_in(strategy)
         if stand_in is None:

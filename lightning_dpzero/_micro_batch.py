@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from ._collate import empty_like
+
 
 @contextlib.contextmanager
 def logging_suppressed(module):
@@ -42,15 +44,10 @@ def random_state_kept(device: torch.device):
 
 def without_rows(out: Any) -> Any:
     """A stand-in's ``training_step`` output for the hooks after it: every tensor with rows sliced to none (as an
-    empty batch's would be), lists emptied; the loss and other scalars kept."""
+    empty batch's would be), lists of plain values emptied; the loss and other scalars kept."""
     if isinstance(out, dict):
-        return {k: v if k == "loss" else without_rows(v) for k, v in out.items()}
-    if isinstance(out, torch.Tensor):
-        return out[:0] if out.dim() else out
-    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
-        return type(out)(without_rows(v) for v in out) if any(isinstance(v, (torch.Tensor, dict, list, tuple))
-                                                            for v in out) else type(out)()
-    return out
+        return {k: v if k == "loss" else empty_like(v) for k, v in out.items()}
+    return empty_like(out)
 
 
 def zero_loss(out):
