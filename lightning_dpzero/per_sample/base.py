@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -277,21 +277,34 @@ class MultiInputFunction(torch.autograd.Function):
             return (None, None, None, *gin, *hook.engine._on_backward(Site(hook, x, g), params))
 
 
-@contextlib.contextmanager
-def no_autocast() -> Iterator[None]:
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types this PyTorch's autocast knows (asking about another raises)."""
+    known = []
+    for device in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        try:
+            torch.is_autocast_enabled(device)
+        except (RuntimeError, ValueError):
+            continue
+        known.append(device)
+    return tuple(known)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
+
+
+def no_autocast() -> contextlib.AbstractContextManager:
     """The engine's backward work (the rules' backward, the deferred clipped sums) runs outside autocast even
     when the user's ``backward()`` call is inside it, which PyTorch advises against and which would then apply to
     every op a custom backward calls: norms and coefficients would be formed in 16-bit, and an autocast policy
-    applied to a rule's padding or recomputation would mix dtypes. The rules cast explicitly."""
-    with contextlib.ExitStack() as stack:
-        for device in ("cpu", "cuda", "xpu", "mps", "hpu"):
-            try:
-                enabled = torch.is_autocast_enabled(device)
-            except (RuntimeError, ValueError):  # a device type this PyTorch does not know
-                continue
-            if enabled:
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
+    applied to a rule's padding or recomputation would mix dtypes. The rules cast explicitly. (Entered once per
+    site: where no autocast is on, the usual case, it is an empty context.)"""
+    enabled = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+    if not enabled:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device in enabled:
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 def run_call(hook: "LayerHook", x: torch.Tensor, params: list, extra: tuple[tuple, dict]):

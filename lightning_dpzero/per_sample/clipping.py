@@ -73,8 +73,8 @@ def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, ga
         return max_norm / (norms + gamma)
     if math.isinf(max_norm):
         return torch.ones_like(norms)
-    # clamp(max=1) keeps c_i = 1 for ‖g_i‖ ≤ C; the epsilon only protects 0/0.
-    return (max_norm / norms.clamp_min(1e-12)).clamp(max=1.0)
+    # C / max(‖g_i‖, C) = min(1, C/‖g_i‖): exactly 1 for ‖g_i‖ ≤ C (C/C), never 0/0, three kernels a group
+    return max_norm / norms.clamp(min=max_norm)
 
 
 def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:

@@ -363,11 +363,11 @@ class PerSampleEngine:
         """Group ``k`` has seen all its sites: coefficients, then its clipped gradients (returned or deferred)."""
         ids = self.group_ids[k]
         sq = self._group_sq.pop(k, None)
-        for i in ids & self._shared_sum.keys():
+        for i in (ids & self._shared_sum.keys()) if self._shared_sum else ():
             s = self._shared_sum.pop(i).flatten(1).pow(2).sum(1)
             sq = s if sq is None else sq + s
         norms = sq.sqrt()
-        self._total_sq = norms.pow(2) if self._total_sq is None else self._total_sq + norms.pow(2)
+        self._total_sq = sq if self._total_sq is None else self._total_sq + sq
         coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
         records = self._records.pop(k)
         if self.phase == "norms":  # the second pass forms the sums (two_pass.py)
