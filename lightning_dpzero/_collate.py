@@ -38,6 +38,7 @@ class _EmptySafeCollate:
 
     def __init__(self, collate_fn: Callable[[list], Any], dataset: Any) -> None:
         self.collate_fn, self.dataset, self._template, self._first = collate_fn, dataset, None, None
+        self._stand_in_warned = False  # the stand-in could not be built: said once (stand_in_batch)
 
     def stand_in(self) -> Any:
         """The dataset's first example collated as a batch of one: the forward's input for an empty micro-batch
@@ -80,7 +81,7 @@ def stand_in_batch(loader: Any) -> Any:
     try:
         return collate.stand_in()
     except Exception as e:  # noqa: BLE001 - e.g. a dataset that opens its files in its DataLoader workers only
-        if not getattr(collate, "_stand_in_warned", False):
+        if not collate._stand_in_warned:
             collate._stand_in_warned = True
             warnings.warn(f"An empty Poisson micro-batch runs on its zero rows: its one-row stand-in could not be "
                           f"built from the dataset's first example in the main process ({type(e).__name__}: {e}). "

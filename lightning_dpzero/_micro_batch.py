@@ -4,8 +4,10 @@ non-finite loss (docs/design.md, *Where each piece runs*: forward)."""
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ._collate import empty_like
@@ -29,10 +31,6 @@ def random_state_kept(device: torch.device):
     """The random streams (Python's, NumPy's, torch's on the CPU and on ``device``) are as they were after the
     block: an empty micro-batch's stand-in, built and run forward inside it, draws nothing a later step sees
     (dropout masks would otherwise depend on the stand-in's shape)."""
-    import random
-
-    import numpy as np
-
     states = random.getstate(), np.random.get_state()
     devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []

@@ -195,7 +195,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if not self.mechanism.active:
             return super().training_step(*args, **kwargs)
         batch_size = extract_batch_size(args[0]) if args else None
-        if batch_size == 0 and args:  # an empty batch: on its one-row stand-in (_lightning_loop.empty_batch_step)
+        if batch_size == 0:  # an empty batch: on its one-row stand-in (_lightning_loop.empty_batch_step)
             out = _loop.empty_batch_step(self, args, lambda a, rows: self._training_step(a, kwargs, 0, rows))
         else:
             out = self._training_step(args, kwargs, batch_size, batch_size)

@@ -363,7 +363,7 @@ class PerSampleEngine:
         """Group ``k`` has seen all its sites: coefficients, then its clipped gradients (returned or deferred)."""
         ids = self.group_ids[k]
         sq = self._group_sq.pop(k, None)
-        for i in (ids & self._shared_sum.keys()) if self._shared_sum else ():
+        for i in ids & self._shared_sum.keys():
             s = self._shared_sum.pop(i).flatten(1).pow(2).sum(1)
             sq = s if sq is None else sq + s
         norms = sq.sqrt()
