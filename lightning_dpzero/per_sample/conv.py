@@ -49,6 +49,14 @@ from .registry import register_rule
 #: against 1.6-2.1 ms); from 8 input channels on, the grouped kernel was the faster (5.1 against 6.3 ms).
 FEW_CHANNELS = 4
 
+#: Examples per call of the per-example weight-gradient kernel that a site keeping its per-example gradients
+#: (``"reuse"``) reaches for where the memory bound of :func:`.paths.norm_chunk` gives fewer, as long as a part's
+#: temporaries stay within the per-example gradients the site keeps anyway: the grouped kernel is slow on few
+#: groups. Measured on one CPU thread, the benchmark CNN's third layer (64 → 64 channels, 16×16, batch 64):
+#: 7.0, 6.1 and 5.9 ms in parts of 4, 8 and 16 examples; the memory bound alone gave it parts of 6, and parts of
+#: 16 made the whole layer-wise step 1.6-1.9% faster (non-DP and both versions taking turns, 300 steps each).
+MIN_INSTANTIATE_PART = 16
+
 
 def _weight_grad(module, x, weight, g, padding, groups: int) -> torch.Tensor:
     """PyTorch's weight-gradient kernel (the one autograd runs for the layer; ``weight`` only gives the shape:
@@ -179,18 +187,22 @@ class ConvRule(LinearRule):
 
     def _parts(self, module, x, g, work: str) -> list[slice]:
         """The batch in parts (:func:`.paths.norm_chunk`) for ``work``, by its temporaries per example:
-        ``"ghost"``, the ghost norm's unfolded rows and two Gram matrices per group; ``"instantiate"``, the
-        grouped kernel's copies of the example's input and output gradient and its weight gradient (formed,
-        then copied out); ``"sum"``, the weight-gradient kernel's copies of the input and output gradient and
-        the scaled copy of the smaller; ``"input"``, the transposed convolution's copy of the output gradient
-        and its result with a copy of it (:meth:`grad_input`)."""
+        ``"ghost"``, the ghost norm's unfolded rows and two Gram matrices per group; ``"instantiate"`` (norms
+        only) and ``"reuse"`` (the per-example gradients kept; parts of up to :data:`MIN_INSTANTIATE_PART`
+        examples within what is kept), the grouped kernel's copies of the example's input and output gradient
+        and its weight gradient (formed, then copied out); ``"sum"``, the weight-gradient kernel's copies of the
+        input and output gradient and the scaled copy of the smaller; ``"input"``, the transposed convolution's
+        copy of the output gradient and its result with a copy of it (:meth:`grad_input`)."""
         B, T, d, p = self._dims(module, x, g)
         G = module.groups
         rows = (x.numel() + g.numel()) // max(1, B)
         per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": rows + 2 * G * p * d,
-               "sum": rows + min(x.numel(), g.numel()) // max(1, B),
+               "reuse": rows + 2 * G * p * d, "sum": rows + min(x.numel(), g.numel()) // max(1, B),
                "input": (g.numel() + 2 * x.numel()) // max(1, B)}[work]
         k = norm_chunk(x, g, per)
+        if work == "reuse" and k < MIN_INSTANTIATE_PART:
+            # larger parts, their temporaries within the per-example gradients the site keeps anyway
+            k = max(k, min(MIN_INSTANTIATE_PART, B * G * p * d // max(1, per)))
         if B <= k:
             return [slice(None)]
         k = -(-B // -(-B // k))  # the same number of parts, of even sizes (64 by 18: 4 parts of 16)
@@ -205,7 +217,7 @@ class ConvRule(LinearRule):
         """The per-example weight gradients of each part of the batch (:meth:`_parts`): beside bounding the
         kernel's temporaries, parts that stay in cache were measured faster here (4 to 8 examples of the
         benchmark CNN's 32: 1.6-2× on its two wider layers)."""
-        return [self._instantiate_part(module, x[s], g[s]) for s in self._parts(module, x, g, "instantiate")]
+        return [self._instantiate_part(module, x[s], g[s]) for s in self._parts(module, x, g, "reuse")]
 
     def _instantiate_part(self, module, x, g):
         """One grouped weight-gradient kernel call, the batch folded into the channels (B·G groups; Rochette et
