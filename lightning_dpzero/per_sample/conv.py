@@ -54,7 +54,8 @@ FEW_CHANNELS = 4
 #: temporaries stay within the per-example gradients the site keeps anyway: the grouped kernel is slow on few
 #: groups. Measured on one CPU thread, the benchmark CNN's third layer (64 → 64 channels, 16×16, batch 64):
 #: 7.0, 6.1 and 5.9 ms in parts of 4, 8 and 16 examples; the memory bound alone gave it parts of 6, and parts of
-#: 16 made the whole layer-wise step 1.6-1.9% faster (non-DP and both versions taking turns, 300 steps each).
+#: 16 took the whole layer-wise step from 1.20-1.22 to 1.18-1.20 of non-DP's time, 1.2-1.6% less (non-DP and both
+#: versions taking turns, 300 steps each, four launches).
 MIN_INSTANTIATE_PART = 16
 
 
