@@ -50,13 +50,13 @@ from .registry import register_rule
 FEW_CHANNELS = 4
 
 #: Examples per call of the per-example weight-gradient kernel that a site keeping its per-example gradients
-#: (``"reuse"``) reaches for where the memory bound of :func:`.paths.norm_chunk` gives fewer, as long as a part's
-#: temporaries stay within the per-example gradients the site keeps anyway: the grouped kernel is slow on few
-#: groups. Measured on one CPU thread, the benchmark CNN's third layer (64 → 64 channels, 16×16, batch 64):
+#: (``"reuse"``) grows its parts towards where the memory bound of :func:`.paths.norm_chunk` gives fewer, as far
+#: as a part's temporaries stay within the per-example gradients the site keeps anyway (so parts may stay
+#: smaller): the grouped kernel is slow on few groups. Measured on one CPU thread, the benchmark CNN's third layer (64 → 64 channels, 16×16, batch 64):
 #: 7.0, 6.1 and 5.9 ms in parts of 4, 8 and 16 examples; the memory bound alone gave it parts of 6, and parts of
 #: 16 took the whole layer-wise step from 1.20-1.22 to 1.18-1.20 of non-DP's time, 1.2-1.6% less (non-DP and both
 #: versions taking turns, 300 steps each, four launches).
-MIN_INSTANTIATE_PART = 16
+REUSE_PART_TARGET = 16
 
 
 def _weight_grad(module, x, weight, g, padding, groups: int) -> torch.Tensor:
@@ -189,8 +189,9 @@ class ConvRule(LinearRule):
     def _parts(self, module, x, g, work: str) -> list[slice]:
         """The batch in parts (:func:`.paths.norm_chunk`) for ``work``, by its temporaries per example:
         ``"ghost"``, the ghost norm's unfolded rows and two Gram matrices per group; ``"instantiate"`` (norms
-        only) and ``"reuse"`` (the per-example gradients kept; parts of up to :data:`MIN_INSTANTIATE_PART`
-        examples within what is kept), the grouped kernel's copies of the example's input and output gradient
+        only) and ``"reuse"`` (the per-example gradients kept: the larger of the memory bound's parts and parts of
+        up to :data:`REUSE_PART_TARGET` examples whose temporaries, the strided patches of a few-channel layer
+        included, stay within what is kept), the grouped kernel's copies of the example's input and output gradient
         and its weight gradient (formed, then copied out); ``"sum"``, the weight-gradient kernel's copies of the
         input and output gradient and the scaled copy of the smaller; ``"input"``, the transposed convolution's
         copy of the output gradient and its result with a copy of it (:meth:`grad_input`)."""
@@ -201,9 +202,11 @@ class ConvRule(LinearRule):
                "reuse": rows + 2 * G * p * d, "sum": rows + min(x.numel(), g.numel()) // max(1, B),
                "input": (g.numel() + 2 * x.numel()) // max(1, B)}[work]
         k = norm_chunk(x, g, per)
-        if work == "reuse" and k < MIN_INSTANTIATE_PART:
-            # larger parts, their temporaries within the per-example gradients the site keeps anyway
-            k = max(k, min(MIN_INSTANTIATE_PART, B * G * p * d // max(1, per)))
+        if work == "reuse" and k < REUSE_PART_TARGET:
+            # larger parts, their temporaries within the per-example gradients the site keeps anyway (with a
+            # few-channel layer's strided patches, G·T·d values an example, which ``per`` leaves out)
+            patches = G * T * d if module.in_channels // G <= FEW_CHANNELS else 0
+            k = max(k, min(REUSE_PART_TARGET, B * G * p * d // max(1, per + patches)))
         if B <= k:
             return [slice(None)]
         k = -(-B // -(-B // k))  # the same number of parts, of even sizes (64 by 18: 4 parts of 16)
