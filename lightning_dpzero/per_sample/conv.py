@@ -52,10 +52,10 @@ FEW_CHANNELS = 4
 #: Examples per call of the per-example weight-gradient kernel that a site keeping its per-example gradients
 #: (``"reuse"``) grows its parts towards where the memory bound of :func:`.paths.norm_chunk` gives fewer, as far
 #: as a part's temporaries stay within the per-example gradients the site keeps anyway (so parts may stay
-#: smaller): the grouped kernel is slow on few groups. Measured on one CPU thread, the benchmark CNN's third layer (64 → 64 channels, 16×16, batch 64):
-#: 7.0, 6.1 and 5.9 ms in parts of 4, 8 and 16 examples; the memory bound alone gave it parts of 6, and parts of
-#: 16 took the whole layer-wise step from 1.20-1.22 to 1.18-1.20 of non-DP's time, 1.2-1.6% less (non-DP and both
-#: versions taking turns, 300 steps each, four launches).
+#: smaller): the grouped kernel is slow on few groups. Measured on one CPU thread, the benchmark CNN's third
+#: layer (64 → 64 channels, 16×16, batch 64): 7.0, 6.1 and 5.9 ms in parts of 4, 8 and 16 examples; the memory
+#: bound alone gave it parts of 6, and parts of 16 took the whole layer-wise step from 1.20-1.22 to 1.18-1.20 of
+#: non-DP's time, 1.2-1.6% less (non-DP and both versions taking turns, 300 steps each, four launches).
 REUSE_PART_TARGET = 16
 
 
@@ -198,8 +198,9 @@ class ConvRule(LinearRule):
         B, T, d, p = self._dims(module, x, g)
         G = module.groups
         rows = (x.numel() + g.numel()) // max(1, B)
-        per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": rows + 2 * G * p * d,
-               "reuse": rows + 2 * G * p * d, "sum": rows + min(x.numel(), g.numel()) // max(1, B),
+        instantiate = rows + 2 * G * p * d  # the same temporaries whether the gradients are kept or not
+        per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": instantiate, "reuse": instantiate,
+               "sum": rows + min(x.numel(), g.numel()) // max(1, B),
                "input": (g.numel() + 2 * x.numel()) // max(1, B)}[work]
         k = norm_chunk(x, g, per)
         if work == "reuse" and k < REUSE_PART_TARGET:
