@@ -10,18 +10,19 @@ from torch.func import functional_call, grad, vmap
 from lightning_dpzero.per_sample.clipping import clip_coefficients
 
 
-def per_example_grads(model, loss_fn, inputs, targets):
-    """{name: (B, *shape)} gradients of each example's own loss, in float64."""
-    params = {k: v.detach().double() for k, v in model.named_parameters() if v.requires_grad}
+def per_example_grads(model, loss_fn, inputs, targets, dtype=torch.float64):
+    """{name: (B, *shape)} gradients of each example's own loss, in float64 (or ``dtype``; the model is left in
+    float32)."""
+    params = {k: v.detach().to(dtype) for k, v in model.named_parameters() if v.requires_grad}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
-    model = model.double()
+    model = model.to(dtype)
 
     def one(p, x, y):
         out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
         return loss_fn(out, y.unsqueeze(0))
 
-    x = inputs.double() if inputs.is_floating_point() else inputs
-    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, targets)
+    x = inputs.to(dtype) if inputs.is_floating_point() else inputs
+    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, targets.to(dtype) if targets.is_floating_point() else targets)
     model.float()
     return g
 

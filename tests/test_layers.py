@@ -84,9 +84,16 @@ def check_oracle(model, x, clip, merge=None, engines=None):
             mod = n.rsplit(".", 1)[0]
             by.setdefault((merge or {}).get(mod, mod), []).append(n)
         groups = list(by.values())
+    float32_error = 0.0
     if B:
         grads = per_example_grads(model, loss_fn, x, y)
         ref = clipped_sum(model, grads, clip["C"], clip["clipping"], clip["clipping_fn"], groups=groups)
+        if x.dtype == torch.float32:
+            # the same oracle in float32: how far float32 arithmetic itself lands from float64 on this input
+            # (an RMSNorm over 2 values of RMS 0.02 amplifies rounding ~50×; plain autograd is then as far off)
+            ref32 = clipped_sum(model, per_example_grads(model, loss_fn, x, y, torch.float32), clip["C"],
+                                clip["clipping"], clip["clipping_fn"], groups=groups)
+            float32_error = max(float((ref32[n].double() - ref[n]).abs().max()) for n in ref if ref[n].numel())
     else:
         ref = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -104,7 +111,8 @@ def check_oracle(model, x, clip, merge=None, engines=None):
     # in exact arithmetic, e.g. a bias that shifts every attention score alike, is float32 noise, which
     # automatic clipping scales by C/γ like everything else)
     # (1e-4: InstanceNorm over 3 values leaves ~1e-4 of float32 noise on a bias it cancels exactly)
-    tol = 1e-4 * (1.0 + max(float(r.abs().max()) for r in ref.values() if r.numel()))
+    # (and never tighter than 4× float32's own error on this input: an ill-conditioned draw, not the engine)
+    tol = max(1e-4 * (1.0 + max(float(r.abs().max()) for r in ref.values() if r.numel())), 4 * float32_error)
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-3, atol=tol, msg=lambda m: f"{n}: {m}")
