@@ -458,10 +458,28 @@ def test_convolution_parts_grow_towards_16_examples_only_within_the_kept_per_exa
     assert max(sizes(third, 32, 16, "reuse")) * per <= 32 * kept < REUSE_PART_TARGET * per
     assert sizes(third, 32, 16, "reuse") == [11, 11, 10] and sizes(third, 8, 16, "reuse") == [3, 3, 2]
     # where the kept gradients are small beside a part's temporaries the memory bound's parts stay: a wide layer
-    # (the new bound computed, and smaller), and a one-channel layer whose strided patches count as temporaries
-    wide, few = nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.Conv2d(1, 2, 7)
+    # (the new bound computed, and smaller)
+    wide = nn.Conv2d(32, 64, 3, stride=2, padding=1)
     assert sizes(wide, 16, 64, "reuse") == sizes(wide, 16, 64, "instantiate") == [6, 6, 4]
-    assert sizes(few, 64, 10, "reuse") == sizes(few, 64, 10, "instantiate") == [11] * 5 + [9]
+
+
+def test_a_few_channel_convolutions_strided_patches_count_in_its_parts_temporaries():
+    # a layer with few input channels forms its per-example gradients from strided patches of its input, T·d
+    # values an example (49× the input of a one-channel 7×7 layer): they count among a part's temporaries for
+    # the norms alone as for kept gradients (before, norms alone took parts of 11 here, 3.4× the bound)
+    from lightning_dpzero.per_sample.conv import ConvRule
+    from lightning_dpzero.per_sample.paths import NORM_CHUNK_FACTOR
+
+    few, B = nn.Conv2d(1, 2, 7), 64
+    x, g = torch.empty(B, 1, 10, 10), torch.empty(B, 2, 4, 4)
+    T, d, p = 16, 49, 2
+    per = (x.numel() + g.numel()) // B + 2 * p * d + T * d  # input and output gradient, kernel result, patches
+    budget = NORM_CHUNK_FACTOR * (x.numel() + g.numel())
+    norms_only = [len(range(B)[s]) for s in ConvRule()._parts(few, x, g, "instantiate")]
+    kept = [len(range(B)[s]) for s in ConvRule()._parts(few, x, g, "reuse")]
+    assert max(norms_only) * per <= budget < (max(norms_only) + 1) * per and norms_only == [3] * 21 + [1]
+    # kept gradients (B·p·d values) grow the parts only as far as a part's temporaries, patches included, fit in them
+    assert max(kept) * per <= B * p * d < (max(kept) + 1) * per and kept == [5] * 12 + [4]
 
 
 def test_two_pass_with_activation_checkpointing_matches_the_oracle():

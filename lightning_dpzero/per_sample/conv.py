@@ -190,24 +190,24 @@ class ConvRule(LinearRule):
         """The batch in parts (:func:`.paths.norm_chunk`) for ``work``, by its temporaries per example:
         ``"ghost"``, the ghost norm's unfolded rows and two Gram matrices per group; ``"instantiate"`` (norms
         only) and ``"reuse"`` (the per-example gradients kept: the larger of the memory bound's parts and parts of
-        up to :data:`REUSE_PART_TARGET` examples whose temporaries, the strided patches of a few-channel layer
-        included, stay within what is kept), the grouped kernel's copies of the example's input and output gradient
-        and its weight gradient (formed, then copied out); ``"sum"``, the weight-gradient kernel's copies of the
+        up to :data:`REUSE_PART_TARGET` examples whose temporaries stay within what is kept), the grouped kernel's
+        copies of the example's input and output gradient and its weight gradient (formed, then copied out), or a
+        few-channel layer's strided patches; ``"sum"``, the weight-gradient kernel's copies of the
         input and output gradient and the scaled copy of the smaller; ``"input"``, the transposed convolution's
         copy of the output gradient and its result with a copy of it (:meth:`grad_input`)."""
         B, T, d, p = self._dims(module, x, g)
         G = module.groups
         rows = (x.numel() + g.numel()) // max(1, B)
-        instantiate = rows + 2 * G * p * d  # the same temporaries whether the gradients are kept or not
+        # the same temporaries whether the gradients are kept or not; a few-channel layer's strided patches are
+        # G·T·d values an example (:meth:`_instantiate_part`)
+        instantiate = rows + 2 * G * p * d + (G * T * d if module.in_channels // G <= FEW_CHANNELS else 0)
         per = {"ghost": G * (T * (d + p) + 2 * T * T), "instantiate": instantiate, "reuse": instantiate,
                "sum": rows + min(x.numel(), g.numel()) // max(1, B),
                "input": (g.numel() + 2 * x.numel()) // max(1, B)}[work]
         k = norm_chunk(x, g, per)
         if work == "reuse" and k < REUSE_PART_TARGET:
-            # larger parts, their temporaries within the per-example gradients the site keeps anyway (with a
-            # few-channel layer's strided patches, G·T·d values an example, which ``per`` leaves out)
-            patches = G * T * d if module.in_channels // G <= FEW_CHANNELS else 0
-            k = max(k, min(REUSE_PART_TARGET, B * G * p * d // max(1, per + patches)))
+            # larger parts, their temporaries within the per-example gradients the site keeps anyway
+            k = max(k, min(REUSE_PART_TARGET, B * G * p * d // max(1, per)))
         if B <= k:
             return [slice(None)]
         k = -(-B // -(-B // k))  # the same number of parts, of even sizes (64 by 18: 4 parts of 16)
