@@ -187,7 +187,7 @@ def summary(st: dict) -> str:
         f"{st['machine_before'].get('cpu_count')} CPU cores: the CPU time of one optimizer step and the peak "
         "memory of a process, each as a ratio to non-DP training of the same model, ZeRO stage and batch "
         "(1.20× = 20% more). The time ratios come from DP and non-DP steps taken in turn in the same processes "
-        "(the median over the rounds): on this shared machine a core's speed drifts by up to 1.5× within "
+        "(the median over the rounds): on this shared machine a core's speed drifts by up to 2× within "
         "seconds, so two separate runs a minute apart differ by up to ±0.4 in a ratio, while steps taken in "
         "turn see the same speed (*Reading the results* below). "
         + ("Every timed process keeps its freed memory (glibc's allocator settings under *Machine*), so no step "
