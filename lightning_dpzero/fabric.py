@@ -8,7 +8,8 @@ strategy:
   mechanism's noise hook on the base optimizer after it; a DeepSpeed config that accumulates or clips
   gradients is refused;
 * ``fabric.setup_dataloaders(train_loader)`` (the first loader it sees): the mechanism's private loader
-  (distributed Poisson sampler) and privacy plan, the ledger opened;
+  (distributed Poisson sampler; with ``use_distributed_sampler=False`` over each rank's own shard) and privacy
+  plan, the ledger opened;
 * the model's training forward: the layout check at the first one, then the micro-batch declared to the engine;
 * ``fabric.backward(loss)``: the non-finite check, the loss probe, DeepSpeed's backward;
 * ``optimizer.step()``: the ledger charged before the update (I4), the budget and the clipping statistics agreed
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from . import _refusals
@@ -229,7 +231,10 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
             raise ValueError("target_epsilon needs the planned length of the loop to calibrate σ: set "
                              "DPFabricStrategy(max_steps=...) or max_epochs=... (or configure(...)), or give "
                              "noise_multiplier (then check fabric.strategy.should_stop after each step).")
-        loader = self.mechanism.private_loader(dataloader, 1)
+        # fabric.setup_dataloaders(use_distributed_sampler=True), the default, gives the loader a DistributedSampler
+        # over one global dataset; without one, each rank's loader may hold its own shard (shards.py)
+        loader = self.mechanism.private_loader(dataloader, 1, pre_sharded=not isinstance(
+            getattr(dataloader, "sampler", None), DistributedSampler))
         self.mechanism.fix_plan(loader, accumulate_grad_batches=1, micro_batches_per_epoch=len(loader),
                                 max_steps=self.max_steps, max_epochs=self.max_epochs)
         self._loader = announce_draws(loader, self.steps)
