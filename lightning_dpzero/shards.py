@@ -46,6 +46,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ._collectives import Collectives, gather_objects
+from ._repeats import check_no_repeated_examples
 from .sampling import (check_sampler_describable, dataset_size, poisson_sample_rate, private_dataloader,
                        shuffled_sample_rate)
 
@@ -170,6 +171,7 @@ def _local_view(dataloader: Any, settings: tuple, sharded: bool) -> _RankView:
     if batch_size is None:
         raise ValueError("The training DataLoader must be built with batch_size=B (the per-device "
                          "micro-batch): the DP sampler replaces its sampler and needs B to set q.")
+    check_no_repeated_examples(dataloader.dataset)
     return _RankView(int(batch_size), n, settings, _identity(dataloader.dataset, n) if sharded else None)
 
 
@@ -188,7 +190,7 @@ def describe_training_data(dataloader: Any, world_size: int, pre_sharded: bool, 
     Raises:
         TypeError: a dataset without a length (an IterableDataset): N cannot be known.
         ValueError: a loader refused on any rank (no batch_size, a sampler the accountant cannot describe, an
-            empty shard, ...: the rank raises its own error, the others name it); DP settings
+            empty shard, repeated examples, ...: the rank raises its own error, the others name it); DP settings
             that differ between ranks; one global dataset of different lengths on different ranks; shards of which
             some ranks hold the same dataset (or cannot tell) and others not; a ``dp_shard_id`` on some ranks only.
     """
