@@ -4,6 +4,7 @@ shards; every rank given the same global dataset is one dataset, never N counted
 
 import math
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -316,6 +317,46 @@ def test_ledger_records_the_shards_and_old_ledgers_hash_as_before():
         PrivacyLedger.from_dict(d)
     with pytest.raises(ValueError, match="shard_sizes"):
         PrivacyLedger(1e-5, 100, shard_sizes=(30, 60))
+
+
+# --------------------------------------------------------------------------------------- several training loaders
+class TwoLoaders(L.LightningModule):
+    """train_dataloader gives two loaders; training_step trains on the second (before: the ledger charged one
+    loader's q while the step trained on the other's examples)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.kind = torch.nn.Linear(4, 2), kind
+
+    def training_step(self, batch, _):
+        x, y = batch["b"] if self.kind == "dict" else batch[1]
+        return torch.nn.functional.cross_entropy(self.fc(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        a, b = (DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)),
+                           batch_size=4) for n in (64, 16))
+        return {"a": a, "b": b} if self.kind == "dict" else [a, b]
+
+
+@pytest.mark.parametrize("kind, names", [("dict", "the keys 'a', 'b'"), ("list", "a list of 2")])
+def test_several_training_loaders_are_refused_before_the_first_update(kind, names):
+    from lightning_dpzero import DPDeepSpeedStrategy
+
+    model = TwoLoaders(kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # fixed-size batches of 4 from both loaders: the layout check, which re-indexes the batch, passes (Poisson
+    # batches of unequal sizes happen to trip it, with a message that misses the cause)
+    strategy = DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0, poisson_sampling=False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=f"2 training DataLoaders \\({names}\\).*ConcatDataset"):
+        trainer.fit(model)
+    assert trainer.strategy.ledger.steps == 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 # --------------------------------------------------------------------------------------- 2 processes
