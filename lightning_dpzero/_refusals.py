@@ -90,7 +90,7 @@ def check_one_training_loader(combined_loader) -> None:
     Raises:
         ValueError: naming the loaders and the fix (one dataset: ``ConcatDataset``).
     """
-    loaders = combined_loader.flattened
+    loaders = combined_loader.flattened if combined_loader is not None else []
     if len(loaders) <= 1:
         return
     iterables = combined_loader.iterables

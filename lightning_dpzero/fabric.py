@@ -384,7 +384,8 @@ def _draws_followed(loader, strategy: DPFabricStrategy, index: int):
     """``loader`` itself (a loader set up after the training loader), its class extended so that a batch drawn
     from it while the model is in training mode with gradients on is noted: a training forward on it would train
     on examples the ledger does not charge (as ``_fabric_loop.announce_draws`` extends the training loader)."""
-    loader.__class__ = type(f"Followed{type(loader).__name__}", (type(loader),), {"__iter__": _followed_iter})
+    if not hasattr(loader, "_dp_index"):  # (a loader set up twice is extended once)
+        loader.__class__ = type(f"Followed{type(loader).__name__}", (type(loader),), {"__iter__": _followed_iter})
     loader._dp_strategy, loader._dp_index = strategy, index
     return loader
 
