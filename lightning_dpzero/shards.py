@@ -160,7 +160,15 @@ def dataset_digest(dataset: Any, n: int) -> Optional[str]:
 
 def _identity(dataset: Any, n: int) -> tuple:
     declared = getattr(dataset, SHARD_ID, None)
-    return ("id", repr(declared)) if declared is not None else ("digest", dataset_digest(dataset, n))
+    if declared is not None:
+        return ("id", repr(declared))
+    try:
+        return ("digest", dataset_digest(dataset, n))
+    except Exception as err:  # noqa: BLE001 - e.g. a dataset that opens its files in the DataLoader's workers
+        raise ValueError(
+            f"use_distributed_sampler=False: reading {DIGEST_EXAMPLES} examples of this rank's training dataset, to "
+            f"tell the same data on several ranks from per-rank shards, failed ({type(err).__name__}: {err}). "
+            f"Declare what each rank holds instead: {_DECLARE}.") from err
 
 
 def _local_view(dataloader: Any, settings: tuple, sharded: bool) -> _RankView:

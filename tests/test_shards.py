@@ -215,6 +215,23 @@ def test_undecidable_ranks_beside_other_data_and_partial_declarations_are_refuse
         _ranks_hold(monkeypatch, [declared, other])
 
 
+class Unreadable(TensorDataset):
+    """Opens its files in the DataLoader's workers: reading it in the main process fails."""
+
+    def __getitem__(self, i):
+        raise OSError("no file handle in the main process")
+
+
+def test_a_shard_that_cannot_be_read_for_its_hash_names_the_declaration(monkeypatch):
+    x = torch.arange(100.0)
+    with pytest.raises(ValueError, match="Rank 1's training DataLoader was refused: ValueError: .*OSError.*dp_shard_id"):
+        _ranks_hold(monkeypatch, [TensorDataset(x[:50]), Unreadable(x[50:])])
+    declared = [Unreadable(x[:50]), Unreadable(x[50:])]
+    for k, d in enumerate(declared):
+        d.dp_shard_id = k  # declared: nothing is read
+    assert _ranks_hold(monkeypatch, declared).shard_sizes == (50, 50)
+
+
 def test_default_path_takes_one_datasets_length():
     loader = DataLoader(TensorDataset(torch.arange(40.0)), batch_size=2)
     assert describe_training_data(loader, 4, pre_sharded=False).dataset_size == 40
