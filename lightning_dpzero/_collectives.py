@@ -79,10 +79,12 @@ def sum_over_ranks(collectives: Collectives, tensor: torch.Tensor) -> torch.Tens
 
 
 def gather_objects(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` without an initialised process group)."""
+    """Every rank's ``obj``, in rank order (``[obj]`` without an initialised process group of ``world_size``
+    ranks: one process, or a stand-in in tests)."""
     import torch.distributed as dist
 
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()) \
+            or dist.get_world_size() != world_size:
         return [obj]
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, obj)

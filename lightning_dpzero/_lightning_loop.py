@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_ze
 
 from ._collate import stand_in_batch
 from ._micro_batch import random_state_kept
+from ._refusals import check_one_training_loader
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class FitLoopGuard:
         self.trainer: Optional[Any] = None
         self._connector: Optional[Any] = None
         self._first = True
+        self._loaders_checked: Optional[Any] = None  # the CombinedLoader checked to hold one training loader
 
     def install(self, trainer) -> None:
         self.trainer, self._first = trainer, True
@@ -136,10 +138,15 @@ class FitLoopGuard:
         self.mechanism.request_stop()
 
     def before_micro_batch(self, deepspeed_engine) -> None:
-        """Before a micro-batch's forward. At the fit's first: refuse a start inside a window and take the step
-        counters' baseline. Then set DeepSpeed's accumulation boundary to the end of the window, so DeepSpeed
-        reduces and steps exactly when Lightning counts an update."""
+        """Before a micro-batch's forward. At the fit's first (and after a reload of the training loaders): refuse
+        several training loaders (``_refusals.check_one_training_loader``); at the fit's first: refuse a start
+        inside a window and take the step counters' baseline. Then set DeepSpeed's accumulation boundary to the
+        end of the window, so DeepSpeed reduces and steps exactly when Lightning counts an update."""
         trainer = self.trainer
+        combined = trainer.fit_loop._combined_loader  # a new one after a reload of train_dataloader()
+        if combined is not self._loaders_checked:
+            check_one_training_loader(combined)
+            self._loaders_checked = combined
         if self._first:
             check_window_start(trainer)
             self.mechanism.begin_fit(step_counters(trainer, deepspeed_engine))

@@ -79,6 +79,31 @@ def micro_batches_per_epoch(dataloader, loader, trainer) -> int:
     return per_epoch
 
 
+def check_one_training_loader(combined_loader) -> None:
+    """Refuse a fit on several training DataLoaders (``train_dataloader`` returning a dict, a list or a
+    ``CombinedLoader`` of them), before its first update.
+
+    The DP strategy makes each of them private on its own, with its own N and q, while the plan and the ledger
+    charge only one (the last set up): a ``training_step`` that trains on another's batches would train on
+    examples drawn above the charged q, from a dataset N does not count, and one update would hold two draws.
+
+    Raises:
+        ValueError: naming the loaders and the fix (one dataset: ``ConcatDataset``).
+    """
+    loaders = combined_loader.flattened if combined_loader is not None else []
+    if len(loaders) <= 1:
+        return
+    iterables = combined_loader.iterables
+    names = (f"the keys {', '.join(map(repr, iterables))}" if isinstance(iterables, dict)
+             else f"a {type(iterables).__name__} of {len(loaders)}")
+    raise ValueError(
+        f"train_dataloader() gave {len(loaders)} training DataLoaders ({names}), but a DP fit samples one training "
+        "set: each loader would be sampled with its own N and q while the privacy ledger charges only one of them, "
+        "so a training_step using another's batches would train on examples drawn above the q charged. Put the "
+        "examples in one dataset, e.g. DataLoader(ConcatDataset([first.dataset, second.dataset]), batch_size=B), "
+        "so that N counts every example and each is sampled at the one q the ledger charges. Nothing was trained.")
+
+
 def check_whole_windows(micro_batches: int, accumulate_grad_batches: int, limit_train_batches) -> None:
     """Refuse an epoch whose micro-batches are not whole accumulation windows (``Trainer(limit_train_batches=...)``).
 

@@ -8,7 +8,8 @@ strategy:
   mechanism's noise hook on the base optimizer after it; a DeepSpeed config that accumulates or clips
   gradients is refused;
 * ``fabric.setup_dataloaders(train_loader)`` (the first loader it sees): the mechanism's private loader
-  (distributed Poisson sampler) and privacy plan, the ledger opened;
+  (distributed Poisson sampler; with ``use_distributed_sampler=False`` over each rank's own shard) and privacy
+  plan, the ledger opened;
 * the model's training forward: the layout check at the first one, then the micro-batch declared to the engine;
 * ``fabric.backward(loss)``: the non-finite check, the loss probe, DeepSpeed's backward;
 * ``optimizer.step()``: the ledger charged before the update (I4), the budget and the clipping statistics agreed
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from . import _refusals
@@ -108,6 +110,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                               layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._loader = None
+        self._other_loaders = 0  # loaders set up after the training loader
+        self._other_draw: Optional[int] = None  # which of them a batch was drawn from in training mode, since a step
         self._in_layout_check = False
         self.configure(target_epsilon=target_epsilon, delta=delta, accountant=accountant, max_steps=max_steps,
                        max_epochs=max_epochs, accounting_worker=accounting_worker)
@@ -222,14 +226,18 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
             raise RuntimeError("fabric.setup_dataloaders before fabric.setup(model, optimizer): the DP strategy "
                                "makes the first loader set up after the model the private training loader. Call "
                                "fabric.setup(model, optimizer) first, then fabric.setup_dataloaders(train_loader).")
-        if self._loader is not None:
-            return super().process_dataloader(dataloader)  # loaders after the first (validation): unchanged
+        if self._loader is not None:  # loaders after the first (validation): unchanged, their draws followed
+            self._other_loaders += 1
+            return _draws_followed(super().process_dataloader(dataloader), self, self._other_loaders)
         if self.accounting.target_epsilon is not None and self.mechanism.noise_multiplier is None and not (
                 self.max_steps or self.max_epochs):
             raise ValueError("target_epsilon needs the planned length of the loop to calibrate σ: set "
                              "DPFabricStrategy(max_steps=...) or max_epochs=... (or configure(...)), or give "
                              "noise_multiplier (then check fabric.strategy.should_stop after each step).")
-        loader = self.mechanism.private_loader(dataloader, 1)
+        # fabric.setup_dataloaders(use_distributed_sampler=True), the default, gives the loader a DistributedSampler
+        # over one global dataset; without one, each rank's loader may hold its own shard (shards.py)
+        loader = self.mechanism.private_loader(dataloader, 1, pre_sharded=not isinstance(
+            getattr(dataloader, "sampler", None), DistributedSampler))
         self.mechanism.fix_plan(loader, accumulate_grad_batches=1, micro_batches_per_epoch=len(loader),
                                 max_steps=self.max_steps, max_epochs=self.max_epochs)
         self._loader = announce_draws(loader, self.steps)
@@ -239,7 +247,16 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     # ------------------------------------------------------------------ step
     def _before_forward(self, engine, args, kwargs):
         if self._in_layout_check or not (engine.training and torch.is_grad_enabled()):
+            self._other_draw = None  # an evaluation forward, of the other loader's batch if one was drawn
             return None  # evaluation forwards are not DP steps (the engine does not clip them either)
+        if self._other_draw is not None:
+            raise RuntimeError(
+                f"A training forward of the model after a batch was drawn, in training mode, from DataLoader "
+                f"#{self._other_draw + 1} set up with fabric.setup_dataloaders: only the first loader set up after "
+                "the model is private (Poisson-sampled at the q the ledger charges, its N counted); the others are "
+                "left as they are, for evaluation. To train on both datasets, put them in one dataset "
+                "(torch.utils.data.ConcatDataset) in the one training loader; to evaluate on another loader, draw "
+                "from it with the model in eval mode or under torch.no_grad(). Nothing of this step was applied.")
         steps = self.steps
         steps.before_forward()
         if not steps.fit_started:
@@ -281,6 +298,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
             lambda: None, boundary=True, step_applied=lambda: not getattr(optimizer, "overflow", False),
             counts=lambda: {_COUNTER: steps.taken + 1})
         steps.after_step()
+        self._other_draw = None
         steps.decide(self, self.root_device, self.mechanism.take_stats())
         return out
 
@@ -351,6 +369,25 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     @override
     def register_strategies(cls, strategy_registry) -> None:
         register_names(strategy_registry, cls)
+
+
+def _followed_iter(loader):
+    strategy = loader._dp_strategy
+    for batch in super(type(loader), loader).__iter__():
+        engine = strategy._deepspeed_engine
+        if engine is not None and engine.training and torch.is_grad_enabled():
+            strategy._other_draw = loader._dp_index  # a training forward next would train on it: refused
+        yield batch
+
+
+def _draws_followed(loader, strategy: DPFabricStrategy, index: int):
+    """``loader`` itself (a loader set up after the training loader), its class extended so that a batch drawn
+    from it while the model is in training mode with gradients on is noted: a training forward on it would train
+    on examples the ledger does not charge (as ``_fabric_loop.announce_draws`` extends the training loader)."""
+    if not hasattr(loader, "_dp_index"):  # (a loader set up twice is extended once)
+        loader.__class__ = type(f"Followed{type(loader).__name__}", (type(loader),), {"__iter__": _followed_iter})
+    loader._dp_strategy, loader._dp_index = strategy, index
+    return loader
 
 
 DPFabricStrategy.register_strategies(STRATEGY_REGISTRY)  # the names now stand for the class (_registration.py)

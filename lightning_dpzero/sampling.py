@@ -23,7 +23,8 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from ._collate import empty_safe_collate
 
 __all__ = ["DistributedPoissonBatchSampler", "DistributedShuffledBatchSampler", "empty_safe_collate",
-           "private_dataloader", "poisson_sample_rate", "dataset_size", "check_sampler_describable"]
+           "private_dataloader", "poisson_sample_rate", "shuffled_sample_rate", "dataset_size",
+           "check_sampler_describable"]
 
 
 def _check_int(name: str, value: Any, low: int, fix: str) -> int:
@@ -185,12 +186,16 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
     """Fixed-size shuffled batches (the common q = B W K / N approximation of Poisson sampling).
 
     Each rank shuffles its own shard (r, r+W, ...; truncated to N // W so ranks agree; or, with `shard_sizes`,
-    its own dataset) every epoch and yields `steps_per_epoch * K` micro-batches of exactly `batch_size` indices,
-    dropping the remainder (steps per epoch: those of the smallest shard). The ledger
-    must record `sampler_kind = "shuffle"`: the Poisson accounting is then an approximation.
+    its own dataset) every epoch and yields `steps_per_epoch * K` micro-batches of exactly its `batch_size`
+    indices, dropping the remainder (steps per epoch: the fewest any rank's shard allows, so all ranks agree).
+    `batch_sizes`: every rank's micro-batch in rank order, where ranks differ (default: `batch_size` on every
+    rank); `sample_rate` is then the largest rate at which any rank draws its examples
+    (:func:`shuffled_sample_rate`). The ledger must record `sampler_kind = "shuffle"`: the Poisson accounting
+    is then an approximation.
 
     Raises:
-        ValueError: invalid sizes (as the Poisson sampler), or batch_size * K larger than a rank's N // W.
+        ValueError: invalid sizes (as the Poisson sampler), `batch_sizes` of another length than W or without
+            `batch_size` at `rank`, or a rank's batch_size * K larger than its N // W (or its shard).
 
     Example:
         >>> sampler = DistributedShuffledBatchSampler(num_samples=100, batch_size=4, num_replicas=2, rank=1)
@@ -202,24 +207,34 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
 
     def __init__(self, num_samples: int, batch_size: int, num_replicas: int = 1, rank: int = 0,
                  accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
-                 shard_sizes: Sequence[int] | None = None) -> None:
+                 shard_sizes: Sequence[int] | None = None, batch_sizes: Sequence[int] | None = None) -> None:
         super().__init__(num_samples, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
         self.batch_size = _check_int("batch_size", batch_size, 1, "Pass the per-device micro-batch size.")
-        per_rank = self.num_samples // self.num_replicas if shard_sizes is None else min(self.shard_sizes)
-        self.steps_per_epoch = per_rank // (self.batch_size * self.accumulate_grad_batches)
+        self.batch_sizes = (self.batch_size,) * self.num_replicas if batch_sizes is None else tuple(
+            _check_int("batch_sizes", b, 1, "Pass every rank's micro-batch size.") for b in batch_sizes)
+        if len(self.batch_sizes) != self.num_replicas or self.batch_sizes[self.rank] != self.batch_size:
+            raise ValueError(f"`batch_sizes` must hold num_replicas={self.num_replicas} sizes with batch_size="
+                             f"{self.batch_size} at rank {self.rank}, got {list(self.batch_sizes)}.")
+        pools = [self.num_samples // self.num_replicas] * self.num_replicas if shard_sizes is None \
+            else list(self.shard_sizes)
+        k = self.accumulate_grad_batches
+        steps = [pool // (b * k) for pool, b in zip(pools, self.batch_sizes)]
+        self.steps_per_epoch = min(steps)
         if self.steps_per_epoch < 1:
-            raise ValueError(f"batch_size={batch_size} x accumulate_grad_batches={accumulate_grad_batches} exceeds "
-                             f"the {per_rank} examples per rank (dataset size {num_samples} over {num_replicas} "
+            r = steps.index(0)
+            raise ValueError(f"batch_size={self.batch_sizes[r]} x accumulate_grad_batches={k} exceeds the "
+                             f"{pools[r]} examples of rank {r} (dataset size {num_samples} over {num_replicas} "
                              "devices): lower the batch size, devices or accumulate_grad_batches.")
 
     @property
     def expected_batch_size(self) -> int:
-        """B * W * K: the logical batch per optimizer step over all ranks."""
-        return self.batch_size * self.num_replicas * self.accumulate_grad_batches
+        """K·ΣB_r (B * W * K where the ranks agree): the logical batch per optimizer step over all ranks."""
+        return sum(self.batch_sizes) * self.accumulate_grad_batches
 
     @property
     def sample_rate(self) -> float:
-        return self.expected_batch_size / self.num_samples
+        return shuffled_sample_rate(self.batch_sizes, self.accumulate_grad_batches, self.num_samples,
+                                    self.shard_sizes)
 
     def __iter__(self) -> Iterator[list[int]]:
         shard = self.shard if self.shard_sizes is not None else self.shard[: self.num_samples // self.num_replicas]
@@ -232,13 +247,30 @@ class DistributedShuffledBatchSampler(_ShardedBatchSampler):
             yield shard[order[i * b:(i + 1) * b]].tolist()
 
 
+def shuffled_sample_rate(batch_sizes: Sequence[int], accumulate_grad_batches: int, dataset_size: int,
+                         shard_sizes: Sequence[int] | None = None) -> float:
+    """q charged for fixed-size shuffled batches: the largest rate ``K·B_r / n_r`` at which a rank r draws the
+    examples of its share n_r of the data (its shard, or N / W of one global dataset), so that no example is
+    drawn more often than the ledger says. Ranks that agree on B, with one global dataset or shards of equal
+    size, give ``B·W·K / N``. ``batch_sizes``: every rank's micro-batch B_r, in rank order.
+
+    Example:
+        >>> shuffled_sample_rate([4, 4], 1, 64), shuffled_sample_rate([4, 4], 1, 64, shard_sizes=[16, 48])
+        (0.125, 0.25)
+    """
+    w, k = len(batch_sizes), accumulate_grad_batches
+    if shard_sizes is None:
+        return max(b * w * k / dataset_size for b in batch_sizes)  # b·W·K/N: the product as poisson_sample_rate's
+    return max(b * k / n for b, n in zip(batch_sizes, shard_sizes))
+
+
 def dataset_size(dataloader: DataLoader, shard: bool = False) -> int:
     """N = len(dataloader.dataset). Raises TypeError for an IterableDataset or a dataset without __len__, and
     ValueError for an empty one: Poisson sampling and the accountant both need N. ``shard``: the loader holds
-    this rank's shard (``Trainer(use_distributed_sampler=False)``), which the messages then say."""
+    this rank's shard (``use_distributed_sampler=False``), which the messages then say."""
     dataset = getattr(dataloader, "dataset", None)
     if isinstance(dataset, IterableDataset):
-        where = (" With Trainer(use_distributed_sampler=False) each rank's DataLoader must be a map-style Dataset "
+        where = (" With use_distributed_sampler=False each rank's DataLoader must be a map-style Dataset "
                  "of that rank's shard: N is the sum of the shards' lengths, and each shard is Poisson-sampled by "
                  "index." if shard else "")
         raise TypeError("DP accounting needs the training set's size N; an IterableDataset has none and cannot be "
@@ -250,7 +282,7 @@ def dataset_size(dataloader: DataLoader, shard: bool = False) -> int:
                         "__len__. Give the training dataset a __len__.") from err
     if n < 1:
         raise ValueError("DP accounting needs the training set's size N; the training dataset is empty." + (
-            " With Trainer(use_distributed_sampler=False) every rank needs a non-empty shard." if shard else ""))
+            " With use_distributed_sampler=False every rank needs a non-empty shard." if shard else ""))
     return int(n)
 
 
@@ -326,36 +358,46 @@ def check_sampler_describable(dataloader: DataLoader) -> None:
             "x accumulate_grad_batches / N is what the privacy ledger charges.")
 
 
-def poisson_sample_rate(batch_size: int, num_replicas: int, accumulate_grad_batches: int,
+def poisson_sample_rate(batch_size: int | Sequence[int], num_replicas: int, accumulate_grad_batches: int,
                         dataset_size: int) -> float:
-    """q = batch_size * W * K / N, so the expected logical batch q N equals the nominal B W K.
+    """q = batch_size * W * K / N, so the expected logical batch q N equals the nominal B W K. ``batch_size``
+    may be every rank's micro-batch B_r in rank order (ranks that differ): q = K·ΣB_r / N, the one rate at which
+    every rank then samples, whose expected logical batch is K·ΣB_r.
 
     Raises:
-        ValueError: a size < 1, or q > 1 (the logical batch is larger than the dataset).
+        ValueError: a size < 1, W sizes not given for W ranks, or q > 1 (the logical batch exceeds the dataset).
     """
-    b = _check_int("batch_size", batch_size, 1, "Pass the per-device micro-batch size.")
     w = _check_int("num_replicas", num_replicas, 1, "Pass the number of devices.")
+    per_rank = not isinstance(batch_size, (int, np.integer))
+    sizes = [_check_int("batch_size", b, 1, "Pass the per-device micro-batch size.")
+             for b in (batch_size if per_rank else [batch_size])]
+    if per_rank and len(sizes) != w:
+        raise ValueError(f"{len(sizes)} batch sizes for num_replicas={w} ranks; pass one per rank.")
     k = _check_int("accumulate_grad_batches", accumulate_grad_batches, 1, "Use 1 for no accumulation.")
     n = _check_int("dataset_size", dataset_size, 1, "The training set must not be empty.")
-    q = b * w * k / n
+    b = sum(sizes) if per_rank else sizes[0] * w  # B·W, or ΣB_r
+    q = b * k / n
     if q > 1:
-        raise ValueError(f"Sample rate q = batch_size {b} x devices {w} x accumulate_grad_batches {k} / dataset "
-                         f"size {n} = {q:.3g} > 1: the logical batch exceeds the dataset. Lower batch_size, "
-                         "devices or accumulate_grad_batches.")
+        what = (f"the ranks' batch sizes {sizes} (sum {b})" if per_rank and len(set(sizes)) > 1
+                else f"batch_size {sizes[0]} x devices {w}")
+        raise ValueError(f"Sample rate q = {what} x accumulate_grad_batches {k} / dataset size {n} = {q:.3g} > 1: "
+                         "the logical batch exceeds the dataset. Lower batch_size, devices or "
+                         "accumulate_grad_batches.")
     return q
 
 
 def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas: int, rank: int,
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
                        poisson: bool = True, steps_per_epoch: int | None = None,
-                       shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None
-                       ) -> DataLoader:
+                       shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None,
+                       batch_sizes: Sequence[int] | None = None) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
     `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
     with `shard_sizes` (each rank's loader holds its own shard) N = their sum.
-    `poisson=False`: a `DistributedShuffledBatchSampler` with the loader's own `batch_size` per rank and
-    micro-batch; `sample_rate` must then equal B W K / N (as from `poisson_sample_rate`), else ValueError.
+    `poisson=False`: a `DistributedShuffledBatchSampler` with the loader's own `batch_size` per micro-batch
+    (`batch_sizes`: every rank's, where they differ); `sample_rate` must then be the sampler's (B W K / N where
+    the ranks agree, as from `poisson_sample_rate`; else :func:`shuffled_sample_rate`), else ValueError.
     `max_micro_batch_size` (b): Poisson draws are truncated to K·b per rank and step (see the sampler); with
     fixed-size batches a b below the loader's `batch_size` is refused (ValueError) and any other b changes nothing.
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
@@ -376,11 +418,13 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
 
         check_fixed_size_bound(max_micro_batch_size, dataloader.batch_size)
         batch_sampler = DistributedShuffledBatchSampler(
-            n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes)
+            n, dataloader.batch_size, num_replicas, rank, accumulate_grad_batches, seed, secure_mode, shard_sizes,
+            batch_sizes)
         if not math.isclose(batch_sampler.sample_rate, sample_rate, rel_tol=1e-9):
             raise ValueError(f"sample_rate={sample_rate} does not match batch_size x devices x "
                              f"accumulate_grad_batches / N = {batch_sampler.sample_rate}; pass "
-                             "poisson_sample_rate(...) so the ledger records the q actually used.")
+                             "poisson_sample_rate(...) (shuffled_sample_rate(...) where the ranks' batch sizes "
+                             "or shards differ) so the ledger records the q actually used.")
     collate = dataloader.collate_fn
     if collate is default_convert:  # the user's loader had automatic batching off
         collate = default_collate

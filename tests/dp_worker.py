@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import lightning as L
 from torch import nn
@@ -35,6 +36,32 @@ class IndexedDataset(Dataset):
         return self.x[i], self.y[i], torch.tensor(self.start + i)
 
 
+class OwnRandomDataset(IndexedDataset):
+    """An ``IndexedDataset`` whose examples carry a fourth item from an unseeded generator of its own (an
+    augmentation the global seeds do not fix): two ranks holding the same data read different values."""
+
+    def __init__(self, x, y, start=0):
+        super().__init__(x, y, start)
+        self.rng = np.random.default_rng()
+
+    def __getitem__(self, i):
+        return (*super().__getitem__(i), torch.tensor(self.rng.random()))
+
+
+def train_dataset(case, rank):
+    """The case's training dataset on ``rank``: its shard (``shards``: [[start, stop] per rank]) or all of it,
+    ``own_rng``: with an augmentation from the dataset's own generator."""
+    x, y = make_dataset(case["model"], case["n"])
+    start, stop = case["shards"][rank] if case.get("shards") else (0, case["n"])
+    cls = OwnRandomDataset if case.get("own_rng") else IndexedDataset
+    return cls(x[start:stop], y[start:stop], start)
+
+
+def batch_size_of(case, rank):
+    """The case's micro-batch on ``rank`` (``batch_sizes``: one per rank)."""
+    return case["batch_sizes"][rank] if case.get("batch_sizes") else case["batch_size"]
+
+
 class Module(L.LightningModule):
     def __init__(self, case):
         super().__init__()
@@ -47,7 +74,7 @@ class Module(L.LightningModule):
         self.seen.append([int(self.global_step), batch[2].tolist()])
 
     def training_step(self, batch, batch_idx):
-        x, y, idx = batch
+        x, y, idx = batch[:3]
         out = self.net(x)
         if self.case.get("zero_loss"):
             return (out * 0.0).sum() / max(len(x), 1)
@@ -66,13 +93,8 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.case["lr"])
 
     def train_dataloader(self):
-        x, y = make_dataset(self.case["model"], self.case["n"])
-        shards = self.case.get("shards")  # [[start, stop] per rank]: each rank's loader holds its own shard
-        if shards is not None:
-            start, stop = shards[self.global_rank]
-            return DataLoader(IndexedDataset(x[start:stop], y[start:stop], start), batch_size=self.case["batch_size"],
-                              shuffle=True)
-        return DataLoader(IndexedDataset(x, y), batch_size=self.case["batch_size"], shuffle=True)
+        return DataLoader(train_dataset(self.case, self.global_rank), shuffle=True,
+                          batch_size=batch_size_of(self.case, self.global_rank))
 
 
 class StopAt(L.Callback):
@@ -211,7 +233,8 @@ def run_case(case, out_dir, devices):
                        "global_rank": rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
                        "world_size": trainer.world_size, "num_nodes": trainer.num_nodes,
                        "num_devices": trainer.num_devices, "sampler_rank": sampler.rank,
-                       "sampler_replicas": sampler.num_replicas, "plan": vars(strategy.plan),
+                       "sampler_replicas": sampler.num_replicas, "sampler_examples": len(sampler.shard),
+                       "sample_rate": sampler.sample_rate, "plan": vars(strategy.plan),
                        "noise_scales": list(strategy.mechanism.noise_scales()), "ledger": strategy.ledger.to_dict(),
                        "epsilon": float(callbacks[0].epsilon())}, f)
     if rank == 0:

@@ -2,9 +2,11 @@
 worker="fabric_worker.py")``): the cases of ``dp_worker.py``, trained by ``DPFabricStrategy`` instead of the
 Trainer, recording the same files (the indices of every micro-batch, initial and final parameters, the ledger).
 
-Extra case keys: ``save_path`` (``fabric.save`` after training), ``resume_from`` (``fabric.load`` before the
-loop; ``load_before_loader``: before ``fabric.setup_dataloaders``), ``expect_error`` (the run must raise; the
-message is recorded), ``target_epsilon`` (the loop stops on ``fabric.strategy.should_stop``).
+Extra case keys: ``use_distributed_sampler`` (of ``fabric.setup_dataloaders``), ``record_ranks`` (every rank
+writes its plan and sampler), ``save_path`` (``fabric.save`` after training), ``resume_from`` (``fabric.load``
+before the loop; ``load_before_loader``: before ``fabric.setup_dataloaders``), ``expect_error`` (the run must
+raise; the message is recorded), ``target_epsilon`` (the loop stops on ``fabric.strategy.should_stop``). The
+dataset keys (``shards``, ``batch_sizes``, ``own_rng``) are ``dp_worker.train_dataset``'s.
 """
 
 import json
@@ -20,8 +22,8 @@ import lightning_dpzero  # noqa: F401  (registers the strategies)
 from lightning_dpzero import DPFabricStrategy
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dp_worker import IndexedDataset, gathered_params, main  # noqa: E402
-from models import build_model, make_dataset  # noqa: E402
+from dp_worker import batch_size_of, gathered_params, main, train_dataset  # noqa: E402
+from models import build_model  # noqa: E402
 
 
 class Net(nn.Module):
@@ -38,7 +40,7 @@ class Net(nn.Module):
 def train(case, fabric, model, optimizer, loader, seen, metrics):
     step = 0
     while step < case["steps"] and not fabric.strategy.should_stop:
-        for x, y, idx in loader:
+        for x, y, idx, *_ in loader:
             seen.append([step, [] if fabric.strategy.stand_in_batch else idx.tolist()])  # an empty batch's stand-in
             out = model(x)
             loss = (out * 0.0).sum() / max(len(x), 1) if case.get("zero_loss") else nn.functional.cross_entropy(out, y)
@@ -67,13 +69,14 @@ def run_case(case, out_dir, devices):
     init = {n: p.detach().clone() for n, p in raw.named_parameters()}
     optimizer = torch.optim.SGD(raw.parameters(), lr=case["lr"])
     model, optimizer = fabric.setup(raw, optimizer)
-    x, y = make_dataset(case["model"], case["n"])
-    train_loader = DataLoader(IndexedDataset(x, y), batch_size=case["batch_size"], shuffle=True)
+    rank = fabric.global_rank
+    train_loader = DataLoader(train_dataset(case, rank), batch_size=batch_size_of(case, rank), shuffle=True)
     seen, metrics, error = [], [], None
     try:
         if case.get("resume_from") and case.get("load_before_loader"):
             fabric.load(case["resume_from"], {"model": model, "optimizer": optimizer})
-        loader = fabric.setup_dataloaders(train_loader)
+        loader = fabric.setup_dataloaders(train_loader,
+                                          use_distributed_sampler=case.get("use_distributed_sampler", True))
         if case.get("resume_from") and not case.get("load_before_loader"):
             fabric.load(case["resume_from"], {"model": model, "optimizer": optimizer})
         steps = train(case, fabric, model, optimizer, loader, seen, metrics)
@@ -90,6 +93,10 @@ def run_case(case, out_dir, devices):
     with open(os.path.join(out_dir, f"{name}.metrics{rank}.json"), "w") as f:
         json.dump(metrics, f)
     torch.save(final, os.path.join(out_dir, f"{name}.final{rank}.pt"))
+    if case.get("record_ranks") and strategy.plan is not None:  # every rank: its plan and the examples it samples
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump({"plan": vars(strategy.plan), "sampler_examples": len(strategy._loader.batch_sampler.shard),
+                       "sample_rate": strategy._loader.batch_sampler.sample_rate}, f)
     if rank == 0:
         ledger = strategy.ledger
         torch.save({"init": init, "final": final, "error": error,

@@ -203,6 +203,28 @@ def test_the_first_loader_is_the_private_one_and_later_ones_are_unchanged():
     assert fabric.strategy.plan.dataset_size == 64
 
 
+def test_a_training_forward_on_a_second_loader_s_batch_is_refused_and_evaluation_on_it_is_not():
+    """A second loader is left as Fabric makes it (for evaluation). Before, a loop that drew from both and trained
+    on the second's batch (of the same size, so no layer's batch check noticed) trained on examples the ledger
+    does not charge, sampled at a rate it does not know."""
+    fabric, model, optimizer, loader = _setup_all(DPFabricStrategy(stage=2, noise_multiplier=1.0,
+                                                                   poisson_sampling=False))
+    other = fabric.setup_dataloaders(DataLoader(_data(16), batch_size=8))
+    _step(fabric, model, optimizer, next(iter(loader)))
+    model.eval()  # evaluation between steps, drawn in eval mode: not a training draw
+    with torch.no_grad():
+        model(next(iter(other))[0])
+    model.train()
+    _step(fabric, model, optimizer, next(iter(loader)))
+    before = [p.detach().clone() for p in model.parameters()]
+    next(iter(loader))
+    second = next(iter(other))
+    with pytest.raises(RuntimeError, match="drawn, in training mode, from DataLoader #2.*ConcatDataset"):
+        model(second[0])
+    assert fabric.strategy.ledger.steps == 2
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def test_an_empty_poisson_batch_is_a_noise_only_step():
     fabric, model, optimizer, loader = _setup_all(batch_size=1)  # q = 1/64: most batches are empty
     sizes = []
