@@ -241,7 +241,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         if self._in_layout_check or not (engine.training and torch.is_grad_enabled()):
             return None  # evaluation forwards are not DP steps (the engine does not clip them either)
         steps = self.steps
-        steps.before_forward()
+        steps.before_forward(args, kwargs)
         if not steps.fit_started:
             self.mechanism.begin_fit({_COUNTER: steps.taken})
             steps.fit_started = True
