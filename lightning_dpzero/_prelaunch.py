@@ -3,11 +3,12 @@
 ``trainer.fit`` hands its work to the strategy's launcher, which starts the other ranks and then DeepSpeed: a
 refusal found in ``setup`` came after 45-55 s of start-up, once per rank. What needs no process group is checked
 here, in the launching process, before the launcher runs: the Trainer's and DeepSpeed's settings
-(:func:`~lightning_dpzero._refusals.check_trainer`), the model's layers (the per-example engine attached and
-detached again), and for a training ``DataLoader`` passed to ``fit`` its sampler, q and the privacy plan (σ against
-the target ε over the planned steps). Every check is the one the ranks run again later, with the numbers the ranks
-will have (W = nodes × devices, the global dataset), so the verdict is theirs; what depends on the ranks (per-rank
-shards, a resumed ledger, a loader from a ``LightningDataModule`` or ``train_dataloader()``) is left to them.
+(:func:`~lightning_dpzero._refusals.check_trainer`), the model's layers as they are now (the per-example engine
+attached and detached again), and for a training ``DataLoader`` passed to ``fit`` its sampler, q and the privacy
+plan (σ against the target ε over the planned steps). Every check is the one the ranks run again later, with the
+numbers the ranks will have (W = nodes × devices, the global dataset), so the verdict is theirs; what depends on
+the ranks is left to them: per-rank shards, a resumed ledger, a loader from a ``LightningDataModule`` or
+``train_dataloader()``, layers that ``configure_model`` or ``setup`` builds, the clipping groups.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def check_fit(strategy, trainer, model, train_dataloaders) -> None:
     with warnings.catch_warnings():  # the ranks warn (once, rank 0): nothing is said twice
         warnings.simplefilter("ignore")
         _refusals.check_trainer(trainer, strategy.config)
-        patterns = None if strategy.clipping_groups == "param_groups" else strategy.clipping_groups
-        strategy.check_module(model, patterns)
+        # the layers only: clipping groups are formed on the ranks (their patterns may name layers that
+        # configure_model or setup builds there, absent here)
+        strategy.check_module(model, None)
         if isinstance(train_dataloaders, DataLoader) and _global_and_sized(train_dataloaders, trainer):
             _check_loader_and_plan(strategy, trainer, train_dataloaders)
 

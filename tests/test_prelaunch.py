@@ -92,11 +92,23 @@ def test_what_needs_no_process_group_is_refused_before_the_launcher_starts_anyth
     print(f"refused in {time.perf_counter() - start:.2f} s")  # measured, not asserted
 
 
+class BuiltOnTheRanks(Net):
+    """A head that ``configure_model`` builds (on each rank, e.g. under ZeRO-3's sharded init)."""
+
+    def configure_model(self):
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(2, 2)
+
+
 def test_a_valid_fit_reaches_the_launcher_with_the_model_as_it_was():
     model = Net()
     with pytest.raises(Launched):
         _fit(model, callbacks=[PrivacyAccountantCallback(target_epsilon=8.0)])
     assert not any("forward" in m.__dict__ for m in model.modules())  # the layer check detached the engine
+    # clipping groups naming layers that only the ranks build are the ranks' to form
+    with pytest.raises(Launched):
+        _fit(BuiltOnTheRanks(), strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0, clipping="group-wise",
+                                                             clipping_groups=[["body.*"], ["head.*"]]))
     with pytest.raises(Launched):  # a loader Lightning's sampler injection rebuilds is left to the ranks
         _fit(loader=DataLoader(_data(), batch_sampler=torch.utils.data.BatchSampler(range(64), 4, False)))
 
