@@ -48,14 +48,19 @@ def default_build_dir() -> Optional[str]:
     return path
 
 
-def _build_state(frame) -> Optional[tuple[str, str]]:
-    """``("wait", lock file)`` if ``frame``'s thread waits on a torch extension's build lock, ``("compile", build
-    directory)`` if it compiles one, else None."""
+def _build_codes() -> tuple:
+    """The code objects of torch's wait on a build lock and of its compile (imported by the watched thread, not
+    the watcher)."""
     from torch.utils import cpp_extension
     from torch.utils.file_baton import FileBaton
 
-    wait, compiling = FileBaton.wait.__code__, getattr(cpp_extension, "_run_ninja_build", None)
-    compiling = getattr(compiling, "__code__", None)
+    return FileBaton.wait.__code__, getattr(getattr(cpp_extension, "_run_ninja_build", None), "__code__", None)
+
+
+def _build_state(frame, codes: tuple) -> Optional[tuple[str, str]]:
+    """``("wait", lock file)`` if ``frame``'s thread waits on a torch extension's build lock, ``("compile", build
+    directory)`` if it compiles one, else None (``codes``: :func:`_build_codes`)."""
+    wait, compiling = codes
     while frame is not None:
         if frame.f_code is wait:
             path = getattr(frame.f_locals.get("self"), "lock_file_path", None)
@@ -89,14 +94,14 @@ def lock_message(path: str, waited: float) -> str:
 def build_watched(report_waits: bool = True) -> Iterator[None]:
     """Around the start of a CPU process group: report a wait on a build lock (``report_waits``; one rank per
     node says it) and a compile, once each, and drop DeepSpeed's ``built successfully`` line."""
-    ident, done = threading.get_ident(), threading.Event()
+    ident, done, codes = threading.get_ident(), threading.Event(), _build_codes()
     after = float(os.environ.get("DPZERO_BUILD_LOCK_WARN_S", WARN_AFTER_S))
 
     def watch() -> None:
         said: set[str] = set()
         since: dict[tuple[str, str], float] = {}
         while not done.wait(min(1.0, after / 4, COMPILING_AFTER_S / 4)):
-            state = _build_state(sys._current_frames().get(ident))
+            state = _build_state(sys._current_frames().get(ident), codes)
             if state is None or state[0] in said:
                 continue
             started = since.setdefault(state, time.monotonic())
