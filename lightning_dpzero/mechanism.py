@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from ._collectives import Collectives, SingleProcess, sum_over_ranks
 from ._micro_batch import logging_suppressed, non_finite_loss_message, without_rows, zero_loss
-from ._step_counts import StepCounts
+from ._step_counts import ChargedUpdates, StepCounts
 from .accounting import PrivacyLedger
 from .accounting.truncation import check_max_micro_batch_size
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
@@ -134,8 +134,7 @@ class DPMechanism:
         self._noise_target: Optional[tuple[torch.optim.Optimizer, bool]] = None
         self._noise_handle = None
         self._noise_applied = False
-        #: ids of the parameters updated since the ledger charge of the step in progress; None outside a charged step
-        self._charged_update: Optional[set[int]] = None
+        self._updates = ChargedUpdates()  # the noised optimizer updates only inside a charged step, each parameter once
         self._stop_requested = False  # this rank's: a SIGTERM arrived (set by a signal handler, no collective)
         self.stop_agreed = False      #: every rank knows some rank was asked to stop (after the same micro-batch)
         self._counts = StepCounts()
@@ -189,7 +188,7 @@ class DPMechanism:
         self._noise_target = (optimizer, replicated)
         source = NoiseSource(self.seed, self.secure_mode, replicated=replicated, rank=self.collectives.global_rank)
         self._noise_handle = optimizer.register_step_pre_hook(
-            make_noise_pre_hook(self.noise_scales, source, self._mark_noise_applied, self._check_update_charged))
+            make_noise_pre_hook(self.noise_scales, source, self._mark_noise_applied, self._updates.check))
 
     def noise_scales(self) -> tuple[float, float]:
         """``(W / B_exp, σ·C / B_exp)``: the factor on this rank's reduced gradient (DeepSpeed averaged it over
@@ -203,23 +202,6 @@ class DPMechanism:
     def _mark_noise_applied(self) -> None:
         self._noise_applied = True
 
-    def _check_update_charged(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse, before the noise and the update, a step of the noised optimizer outside a charged
-        :meth:`optimizer_step` (e.g. the optimizer inside Fabric's or DeepSpeed's wrapper stepped directly: an
-        update no ledger entry covers), or a second update of a parameter within one (the same gradient released
-        twice under one charge). ZeRO-3 steps the optimizer once per parameter sub-group, each on its own."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self._charged_update is None:
-            raise RuntimeError(
-                "The optimizer that receives the DP noise was stepped outside the DP strategy's optimizer step "
-                "(e.g. optimizer.optimizer.step() in a Fabric loop, or a step of the optimizer DeepSpeed wraps): "
-                "that update would not be charged to the privacy ledger. Call optimizer.step() on the optimizer "
-                "that fabric.setup returned (or let Lightning's loop step it). Nothing was applied.")
-        if any(id(p) in self._charged_update for p in params):
-            raise RuntimeError(
-                "The optimizer that receives the DP noise was stepped twice within one charged optimizer step: the "
-                "same gradient would be released twice under one privacy ledger entry. Nothing more was applied.")
-        self._charged_update.update(id(p) for p in params)
 
     # ------------------------------------------------------------------------------------------ data and plan
     def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
@@ -401,7 +383,7 @@ class DPMechanism:
         have advanced as the ledger did since :meth:`begin_fit` (else ``RuntimeError`` before the update). After
         it, an update that was applied (``step_applied()``) without the noise hook having run stops training. The noised
         optimizer may update each parameter once, and only between the charge and the end of ``step``
-        (:meth:`_check_update_charged`)."""
+        (:class:`~lightning_dpzero._step_counts.ChargedUpdates`)."""
 
         def charged_closure() -> Any:
             result = closure()
@@ -409,14 +391,14 @@ class DPMechanism:
                 self.charge()
                 if counts is not None:
                     self._counts.check(self.ledger.steps, counts())
-                self._charged_update = set()  # the noised optimizer may now update each parameter once
+                self._updates.open()  # the noised optimizer may now update each parameter once
             return result
 
         self._noise_applied = False
         try:
             out = step(charged_closure)
         finally:
-            self._charged_update = None
+            self._updates.close()
         if boundary and step_applied() and not self._noise_applied:
             raise RuntimeError("An optimizer step was applied without the DP noise hook running; refusing to "
                                "continue with a non-private update.")
