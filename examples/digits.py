@@ -27,11 +27,6 @@ import torch
 
 if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator, without its "unable to detect a GPU" notice
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
-    # DeepSpeed JIT-compiles its CPU shared-memory collective op on first use, into a cache shared by every
-    # Python environment of this user: two virtual environments used in turn (or at once) rebuild it each
-    # time, tens of seconds on 2 cores, and race on the same files. One cache per virtual environment.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import lightning as L
 import torchmetrics
@@ -142,7 +137,8 @@ def train_dp(args: argparse.Namespace) -> tuple[float, float, float, float, bool
     """DP-SGD on ZeRO; returns (test accuracy, epsilon, delta, sigma, is rank 0)."""
     strategy = DPDeepSpeedStrategy(
         stage=args.stage, noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm,
-        clipping=args.clipping, clipping_fn=args.clipping_fn, seed=args.seed, logging_level=logging.ERROR)
+        clipping=args.clipping, clipping_fn=args.clipping_fn, seed=args.noise_seed,
+        logging_level=logging.ERROR)
     target = None if args.noise_multiplier is not None else args.target_epsilon
     accountant = PrivacyAccountantCallback(target_epsilon=target, delta=args.delta)
     trainer = L.Trainer(
@@ -181,7 +177,10 @@ def add_dp_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="explicit sigma; then no target epsilon is set (epsilon is still reported)")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    p.add_argument("--noise-seed", type=int, default=None,
+                   help="seed of the DP noise and sampling (reproducible runs; it warns why not in production); "
+                        "default: drawn from OS entropy")
     return p
 
 

@@ -28,9 +28,10 @@ _EXPORTS = {
     "PerSampleEngine": "per_sample",
     "UnsupportedLayerError": "per_sample",
     "DistributedPoissonBatchSampler": "sampling",
+    "fix_model": "per_sample.fix",
 }
 __all__ = ["DPDeepSpeedStrategy", "DPFabricStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
-           "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier"]
+           "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier", "fix_model"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from .accounting import PrivacyBudgetExceeded, PrivacyLedger, calibrate_noise_multiplier
     from .callback import PrivacyAccountantCallback
     from .per_sample import PerSampleEngine, UnsupportedLayerError
+    from .per_sample.fix import fix_model
     from .sampling import DistributedPoissonBatchSampler
     from .fabric import DPFabricStrategy
     from .strategy import DPDeepSpeedStrategy

@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from . import _refusals
+from . import _known_warnings, _refusals, _report
+from ._extensions import default_build_dir
 from ._options import LossReduction, check_option
 from ._reduction import output_hook_managers, output_hooks_suspended
 from ._zero3_trace import another_backward_follows, keep_release_decisions_fresh
@@ -20,6 +21,15 @@ from .per_sample.clipping import validate_clipping, validate_clipping_groups
 class DPSettings:
     """A strategy's DP settings (see ``DPDeepSpeedStrategy``'s arguments): the clipping and loss settings as
     attributes, σ, C and the random streams in ``self.mechanism``. ``ValueError`` names a bad setting."""
+
+    def __new__(cls, *args, **kwargs):
+        # before Lightning's constructor imports DeepSpeed (which logs its accelerator guess then), in the launching
+        # process, whose environment the ranks inherit: what every DP run prints and where it builds DeepSpeed's op
+        _known_warnings.filter_known_log_records()
+        _known_warnings.filter_known_warnings()
+        _report.install()
+        default_build_dir()
+        return super().__new__(cls)
 
     def init_dp_settings(self, *, noise_multiplier: Optional[float], max_grad_norm: float, clipping: str,
                          clipping_fn: str, gamma: float, clipping_mode: str, clipping_groups, group_max_grad_norms,
@@ -36,13 +46,25 @@ class DPSettings:
         self.layout_check = _refusals.warn_layout_check_off(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None
 
+    def _engine(self, module: nn.Module, groups) -> PerSampleEngine:
+        return PerSampleEngine(module, self.mechanism.max_grad_norm, self.clipping, self.clipping_fn, self.gamma,
+                               self.loss_reduction, groups=groups, group_max_grad_norms=self.group_max_grad_norms,
+                               clipping_mode=self.clipping_mode)
+
+    def check_module(self, module: nn.Module, groups) -> None:
+        """Raise what :meth:`attach_engine` would raise about ``module``'s layers (``UnsupportedLayerError``) or
+        the clipping groups, leaving the module as it was (attached, then detached): before any process starts."""
+        own_forwards = [(m, m.__dict__["forward"]) for m in module.modules() if "forward" in m.__dict__]
+        try:
+            self._engine(module, groups).attach().detach()
+        finally:
+            for m, forward in own_forwards:  # (detach removes the engine's; keep any the module had before)
+                m.forward = forward
+
     def attach_engine(self, module: nn.Module, groups, zero_stage: int) -> PerSampleEngine:
         """Build and attach the per-example engine on ``module`` (``groups``: group-wise name patterns, or None),
         hand it to the mechanism, and keep the layers its rules clip whole from ZeRO-3's partitioning."""
-        self.per_sample = PerSampleEngine(module, self.mechanism.max_grad_norm, self.clipping, self.clipping_fn,
-                                          self.gamma, self.loss_reduction, groups=groups,
-                                          group_max_grad_norms=self.group_max_grad_norms,
-                                          clipping_mode=self.clipping_mode).attach()
+        self.per_sample = self._engine(module, groups).attach()
         self.mechanism.attach(self.per_sample, self)
         if zero_stage == 3 and self.per_sample.zero3_leaf_types:
             from deepspeed.utils import set_z3_leaf_modules

@@ -2,10 +2,12 @@
 and the privacy metrics of every step (docs/design.md, *Where each piece runs*: Fabric).
 
 A Fabric user writes the loop, so nothing guarantees what a Lightning ``Trainer`` guarantees by construction:
-one Poisson draw per optimizer step, one forward and one backward per draw. :class:`FabricSteps` follows the
-calls and refuses, before anything of the step is applied, a training forward whose batch was not the one
-drawn from the private loader since the last step, a second forward or backward within a step, a step without
-backward, and a step beyond the privacy budget. After each step one all-reduce agrees on the budget (rank 0
+one Poisson draw per optimizer step, one forward and one backward per draw, on the batch drawn. :class:`FabricSteps`
+follows the calls and refuses, before anything of the step is applied, a training forward without exactly one draw
+from the private loader since the last step, a training forward whose inputs are not that draw's batch
+(:func:`forwards_drawn_batch`: the previous step's batch again, a fixed one, part of it), a second forward or
+backward within a step, a step without backward, and a step beyond the privacy budget. (An update applied by the
+optimizer inside Fabric's wrapper, bypassing ``optimizer.step()``, is refused by the mechanism's noise hook.) After each step one all-reduce agrees on the budget (rank 0
 decides) and sums the clipping statistics; rank 0's answers come from an :class:`~lightning_dpzero.accounting.
 background.AccountingAhead` worker that computed them while the step ran, as for the Trainer's callback.
 """
@@ -25,9 +27,54 @@ from ._options import AccountingWorker
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
 from .accounting.background import AccountingAhead, Answerer, ledger_epsilon
 
+_NOT_DRAWN = (
+    "The training forward's inputs are not the batch drawn from the DP loader for this step: no tensor it received "
+    "is one of that batch's tensors, as the loader yields them, moved to another device, cast to another dtype, or "
+    "a view with the same rows. Training on another batch (the previous step's again, a fixed one, a part of this "
+    "one) releases an update the privacy ledger does not charge. Forward the batch you drew (for x, y in loader: "
+    "model(x)); transform examples in the Dataset or the DataLoader's collate_fn (the DP loader keeps both), not "
+    "between the draw and the forward. Nothing of this step was applied.")
+
 _LOOP = ("The loop of a DP Fabric run is, per optimizer step: draw one batch from the loader that "
          "fabric.setup_dataloaders returned, one training forward of the model, fabric.backward(loss), "
          "optimizer.step() (then optimizer.zero_grad()).")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors with a batch dimension in ``obj`` (nested tuples, lists, dicts, dataclasses)."""
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    found: list[torch.Tensor] = []
+    apply_to_collection(obj, torch.Tensor, lambda t: found.append(t) if t.dim() else None)
+    return found
+
+
+def _of_batch(t: torch.Tensor, drawn: torch.Tensor) -> bool:
+    """Whether ``t`` is ``drawn`` with its rows: itself, a view of it (same storage), or its values on another
+    device or in another dtype (reshaped)."""
+    if t is drawn:
+        return True
+    if t.shape[0] != drawn.shape[0]:
+        return False
+    try:
+        if t.device == drawn.device and t.untyped_storage().data_ptr() == drawn.untyped_storage().data_ptr():
+            return True
+    except (RuntimeError, NotImplementedError):  # no storage to compare (a tensor subclass): compare values
+        pass
+    if t.numel() != drawn.numel():
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(t.detach().reshape(-1), drawn.detach().to(t.device, t.dtype).reshape(-1)))
+
+
+def forwards_drawn_batch(drawn: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
+    """Whether a training forward called with ``args``/``kwargs`` trains on the batch whose tensors are ``drawn``:
+    some tensor it receives is one of them, moved, cast or viewed with the same rows (:func:`_of_batch`). True
+    when either holds no tensor (a batch of strings tokenised in the loop, say): there is nothing to compare."""
+    received = _tensors((args, kwargs))
+    if not drawn or not received:
+        return True
+    return any(_of_batch(t, d) for t in received for d in drawn)
 
 
 def _announcing_iter(loader):
@@ -56,6 +103,7 @@ class FabricSteps:
         self.draws = 0
         self.batch_size: Optional[int] = None
         self.stand_in_rows = 0  # > 0: the batch drawn was empty and the loop got its stand-in of that many rows
+        self.drawn_tensors: list[torch.Tensor] = []  # the tensors of the batch the loop got at the step's draw
         self.fit_started = False
         self.taken = 0  # optimizer steps taken (charged), over the run's lineage (restored with a checkpoint)
         self.tracker = EpsilonTracker()
@@ -91,17 +139,17 @@ class FabricSteps:
         except Exception:  # noqa: BLE001 - no tensor found: each layer reads B from its input
             self.batch_size = None
         self.stand_in_rows = 0
-        if self.batch_size != 0:
-            return batch
-        with random_state_kept(torch.device("cpu")):  # reading the example draws nothing the loop sees
-            stand_in = stand_in_batch(loader)
-        if stand_in is None:
-            return batch
-        self.stand_in_rows = extract_batch_size(stand_in)
-        return stand_in
+        if self.batch_size == 0:
+            with random_state_kept(torch.device("cpu")):  # reading the example draws nothing the loop sees
+                stand_in = stand_in_batch(loader)
+            if stand_in is not None:
+                self.stand_in_rows = extract_batch_size(stand_in)
+                batch = stand_in
+        self.drawn_tensors = _tensors(batch)
+        return batch
 
-    def before_forward(self) -> None:
-        """A training forward (module in training mode, gradients on) is about to run."""
+    def before_forward(self, args: tuple = (), kwargs: Optional[dict] = None) -> None:
+        """A training forward (module in training mode, gradients on) is about to run on ``args``/``kwargs``."""
         if self.mechanism.plan is None:
             raise RuntimeError(
                 "A training forward ran before the training DataLoader was set up: pass it through "
@@ -122,6 +170,8 @@ class FabricSteps:
                 f"{got} drawn from the DP loader since the last optimizer step: every step must train on exactly "
                 "the one Poisson-sampled batch drawn for it (data from elsewhere, or skipped draws, are not what "
                 f"the privacy ledger charges). Nothing of this step was applied. {_LOOP}")
+        if not forwards_drawn_batch(self.drawn_tensors, args, kwargs or {}):
+            raise RuntimeError(f"{_NOT_DRAWN} {_LOOP}")
         self.phase = "forward"
 
     def before_backward(self) -> None:
@@ -141,7 +191,7 @@ class FabricSteps:
             raise RuntimeError(f"optimizer.step() without fabric.backward(loss) since the last step. {_LOOP}")
 
     def after_step(self) -> None:
-        self.phase, self.draws, self.taken = "ready", 0, self.taken + 1
+        self.phase, self.draws, self.taken, self.drawn_tensors = "ready", 0, self.taken + 1, []
 
     # ------------------------------------------------------------------ budget and metrics
     def exhausted_message(self) -> str:

@@ -3,9 +3,11 @@ DeepSpeed's own launcher (docs/design.md, *Layout*).
 
 Lightning's ``DeepSpeedStrategy`` (the Trainer's and Fabric's alike) refuses a CPU accelerator and passes
 ``device_rank=None`` to ``deepspeed.initialize`` there; DeepSpeed itself runs on the CPU with gloo. The overrides:
-the environment and the process group on the CPU, the global rank under DeepSpeed's launcher, and a CPU device
-index for the ``deepspeed.initialize`` calls. :class:`DeepSpeedLaunchMixin` is the Trainer's,
-:class:`FabricDeepSpeedLaunchMixin` Fabric's (whose hooks have other names).
+the environment and the process group on the CPU (its op build watched and quiet, ``_extensions``), the global
+rank under DeepSpeed's launcher, and a CPU device index for the ``deepspeed.initialize`` calls. Before the launcher
+starts anything, fp16 on the CPU is refused and, for the Trainer, a fit is checked in the launching process
+(``_prelaunch``). :class:`DeepSpeedLaunchMixin` is the Trainer's, :class:`FabricDeepSpeedLaunchMixin` Fabric's
+(whose hooks have other names).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from lightning.fabric.accelerators import CUDAAccelerator as FabricCUDAAccelerat
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from typing_extensions import override
+
+from . import _prelaunch, _refusals, _report
+from ._extensions import build_watched
 
 
 def _node_rank_from_launcher() -> None:
@@ -58,6 +63,12 @@ class DeepSpeedLaunchMixin:
     """Mixed into a Trainer ``DeepSpeedStrategy`` subclass (before it in the bases)."""
 
     @override
+    def _configure_launcher(self) -> None:
+        _refusals.check_precision(self.precision_plugin.precision, self.accelerator, self.config)
+        super()._configure_launcher()
+        _prelaunch.check_before_launch(self)
+
+    @override
     def setup_environment(self) -> None:
         if isinstance(self.accelerator, CUDAAccelerator):
             return super().setup_environment()
@@ -70,13 +81,15 @@ class DeepSpeedLaunchMixin:
         from lightning.fabric.utilities.seed import reset_seed
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        with build_watched(report_waits=self.local_rank == 0):
+            self._init_deepspeed_distributed()
 
     @override
     def set_world_ranks(self) -> None:
         _node_rank_from_launcher()
         super().set_world_ranks()
         _check_launcher_rank(self, "Trainer")
+        _report.set_rank(self.global_rank)
 
     def _cpu_device_indices(self):
         return _cpu_device_indices(self, isinstance(self.accelerator, CUDAAccelerator))
@@ -96,6 +109,11 @@ class FabricDeepSpeedLaunchMixin:
     """Mixed into a Fabric ``DeepSpeedStrategy`` subclass (before it in the bases)."""
 
     @override
+    def _configure_launcher(self) -> None:
+        _refusals.check_precision(self.precision.precision, self.accelerator, self.config)
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
         if isinstance(self.accelerator, FabricCUDAAccelerator):
             return super().setup_environment()
@@ -111,7 +129,8 @@ class FabricDeepSpeedLaunchMixin:
 
         reset_seed()  # (the CUDA path's device-index check does not apply to CPU devices, which have none)
         self._set_world_ranks()
-        self._init_deepspeed_distributed()
+        with build_watched(report_waits=self.local_rank == 0):
+            self._init_deepspeed_distributed()
         if not self._config_initialized:
             self._format_config()
             self._config_initialized = True
@@ -121,6 +140,7 @@ class FabricDeepSpeedLaunchMixin:
         _node_rank_from_launcher()
         super()._set_world_ranks()
         _check_launcher_rank(self, "Fabric")
+        _report.set_rank(self.global_rank)
 
     @override
     def _initialize_engine(self, model, optimizer=None, scheduler=None):

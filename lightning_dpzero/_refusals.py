@@ -37,6 +37,24 @@ def check_trainer(trainer, deepspeed_config) -> None:
             "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
 
 
+def check_precision(precision, accelerator, deepspeed_config) -> None:
+    """Refuse fp16 (``precision="16-mixed"``/``"16-true"``, or ``fp16.enabled`` in the DeepSpeed config) on a CPU
+    accelerator, when the Trainer or Fabric is built: DeepSpeed's CPU accelerator has no fp16 and stopped the run
+    after start-up with a bare ``Type fp16 is not supported on your device``."""
+    from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    if not isinstance(accelerator, (CPUAccelerator, FabricCPU)):
+        return
+    fp16 = (deepspeed_config or {}).get("fp16", {}).get("enabled", False)
+    if str(precision) in ("16-mixed", "16-true", "16") or fp16:
+        setting = f"precision={str(precision)!r}" if not fp16 else "the DeepSpeed config's fp16.enabled"
+        raise ValueError(
+            f"{setting} asks for fp16, which DeepSpeed's CPU accelerator does not support (it would stop after "
+            "start-up with 'Type fp16 is not supported on your device'). On the CPU use precision='bf16-mixed' "
+            "(or '32-true'); fp16 works on CUDA.")
+
+
 def base_optimizer(deepspeed_engine) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` DeepSpeed's wrappers step last, with this rank's fp32 partition."""
     base = deepspeed_engine.optimizer

@@ -340,7 +340,7 @@ class PrivacyAccountantCallback(Callback):
             how = f"calibrated to epsilon <= {plan.target_epsilon:g} over the planned steps"
         steps = f"{plan.planned_steps} planned steps" if plan.planned_steps else "no step bound"
         target = f"target epsilon {plan.target_epsilon:g}" if plan.target_epsilon is not None else "no target epsilon"
-        line = (f"DP-SGD: sigma={plan.noise_multiplier!r} ({how}), q={plan.sample_rate:.6g}, expected batch "
+        line = (f"DP-SGD: sigma={plan.noise_multiplier:.4g} ({how}), q={plan.sample_rate:.6g}, expected batch "
                 f"{plan.expected_batch_size:g}, {steps}, {target}, delta={plan.delta:g}, N={plan.dataset_size} "
                 f"({plan.accountant}, {'Poisson' if plan.sampler_kind == 'poisson' else 'shuffled batches'})")
         bound = plan.micro_batch_bound

@@ -258,7 +258,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                 "(torch.utils.data.ConcatDataset) in the one training loader; to evaluate on another loader, draw "
                 "from it with the model in eval mode or under torch.no_grad(). Nothing of this step was applied.")
         steps = self.steps
-        steps.before_forward()
+        steps.before_forward(args, kwargs)
         if not steps.fit_started:
             self.mechanism.begin_fit({_COUNTER: steps.taken})
             steps.fit_started = True

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from ._collectives import Collectives, SingleProcess, sum_over_ranks
 from ._micro_batch import logging_suppressed, non_finite_loss_message, without_rows, zero_loss
-from ._step_counts import StepCounts
+from ._step_counts import ChargedUpdates, StepCounts
 from .accounting import PrivacyLedger
 from .accounting.truncation import check_max_micro_batch_size
 from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
@@ -134,6 +134,7 @@ class DPMechanism:
         self._noise_target: Optional[tuple[torch.optim.Optimizer, bool]] = None
         self._noise_handle = None
         self._noise_applied = False
+        self._updates = ChargedUpdates()  # the noised optimizer updates only inside a charged step, each parameter once
         self._stop_requested = False  # this rank's: a SIGTERM arrived (set by a signal handler, no collective)
         self.stop_agreed = False      #: every rank knows some rank was asked to stop (after the same micro-batch)
         self._counts = StepCounts()
@@ -187,7 +188,7 @@ class DPMechanism:
         self._noise_target = (optimizer, replicated)
         source = NoiseSource(self.seed, self.secure_mode, replicated=replicated, rank=self.collectives.global_rank)
         self._noise_handle = optimizer.register_step_pre_hook(
-            make_noise_pre_hook(self.noise_scales, source, self._mark_noise_applied))
+            make_noise_pre_hook(self.noise_scales, source, self._mark_noise_applied, self._updates.check))
 
     def noise_scales(self) -> tuple[float, float]:
         """``(W / B_exp, σ·C / B_exp)``: the factor on this rank's reduced gradient (DeepSpeed averaged it over
@@ -200,6 +201,7 @@ class DPMechanism:
 
     def _mark_noise_applied(self) -> None:
         self._noise_applied = True
+
 
     # ------------------------------------------------------------------------------------------ data and plan
     def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
@@ -379,7 +381,9 @@ class DPMechanism:
         an accumulation ``boundary``, charges the ledger, before the update is applied (I4: skipped, overflowed
         steps are charged too). ``counts()``: the drivers' step counters with this update included, which must
         have advanced as the ledger did since :meth:`begin_fit` (else ``RuntimeError`` before the update). After
-        it, an update that was applied (``step_applied()``) without the noise hook having run stops training."""
+        it, an update that was applied (``step_applied()``) without the noise hook having run stops training. The noised
+        optimizer may update each parameter once, and only between the charge and the end of ``step``
+        (:class:`~lightning_dpzero._step_counts.ChargedUpdates`)."""
 
         def charged_closure() -> Any:
             result = closure()
@@ -387,10 +391,14 @@ class DPMechanism:
                 self.charge()
                 if counts is not None:
                     self._counts.check(self.ledger.steps, counts())
+                self._updates.open()  # the noised optimizer may now update each parameter once
             return result
 
         self._noise_applied = False
-        out = step(charged_closure)
+        try:
+            out = step(charged_closure)
+        finally:
+            self._updates.close()
         if boundary and step_applied() and not self._noise_applied:
             raise RuntimeError("An optimizer step was applied without the DP noise hook running; refusing to "
                                "continue with a non-private update.")

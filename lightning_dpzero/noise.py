@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -82,15 +82,19 @@ class NoiseSource:
 
 
 def make_noise_pre_hook(get_scales: Callable[[], tuple[float, float]], source: NoiseSource,
-                        on_applied: Callable[[], None]):
+                        on_applied: Callable[[], None],
+                        check: Optional[Callable[[torch.optim.Optimizer], None]] = None):
     """A ``torch.optim.Optimizer.register_step_pre_hook`` hook adding the DP noise in place.
 
     ``get_scales()`` returns ``(grad_mult, noise_std)``: each gradient coordinate ``x`` becomes
     ``x · grad_mult + noise_std · z`` (fp32). A parameter with no gradient is noised from zero: every
-    trainable coordinate is released with noise, even one that received no gradient this step.
+    trainable coordinate is released with noise, even one that received no gradient this step. ``check(optimizer)``
+    runs first and may raise to refuse the update before any gradient or parameter is changed.
     """
 
     def hook(optimizer, args, kwargs):
+        if check is not None:
+            check(optimizer)
         grad_mult, std = get_scales()
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -251,3 +251,85 @@ def test_an_update_without_the_noise_hook_stops_training():
     fabric.strategy.mechanism._noise_handle.remove()
     with pytest.raises(RuntimeError, match="without the DP noise hook"):
         _step(fabric, model, optimizer, next(iter(loader)))
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("poisson", [False, True], ids=["shuffled", "poisson"])
+@pytest.mark.parametrize("mistake", ["previous_batch", "part_of_the_batch", "fixed_batch"])
+def test_a_forward_of_another_batch_than_the_one_drawn_is_refused(poisson, mistake):
+    """#40.7: a loop that draws every step but trains on something else (the first batch again, a fixed batch,
+    some of the rows) would release updates the ledger charges as fresh samples: refused at the forward."""
+    fabric, model, optimizer, loader = _setup_all(poisson_sampling=poisson, seed=5)
+    it = iter(loader)
+    first = next(it)
+    while len(first[0]) < 2:  # (a Poisson draw of fewer than 2 rows has no strict part)
+        _step(fabric, model, optimizer, first)
+        first = next(it)
+    _step(fabric, model, optimizer, first)
+    charged, before = fabric.strategy.ledger.steps, _params(model)
+    x, y = next(it)  # this step's draw
+    stale = {"previous_batch": first, "part_of_the_batch": (x[: len(x) - 1], y[: len(y) - 1]),
+             "fixed_batch": (torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))}[mistake]
+    if mistake == "part_of_the_batch" and len(x) < 2:
+        pytest.skip("the draw has fewer than 2 rows")
+    with pytest.raises(RuntimeError, match="not the batch drawn from the DP loader for this step"):
+        _step(fabric, model, optimizer, stale)
+    assert fabric.strategy.ledger.steps == charged
+    assert all(torch.equal(before[n], p) for n, p in _params(model).items())
+
+
+class _DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, batch=None, *, features=None):
+        return self.lin((batch["x"] if batch is not None else features).reshape(-1, 4))
+
+
+class _Dicts(torch.utils.data.Dataset):
+    def __init__(self, n=64):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randint(0, 5, (n, 4), generator=g), torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def test_the_drawn_batch_may_be_unpacked_moved_cast_and_viewed():
+    """What a loop legitimately does between the draw and the forward: unpack a dict, move to the device, cast
+    (integers to float), reshape with the same rows, pass it by keyword; every step trains and is charged."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=DPFabricStrategy(stage=2, noise_multiplier=1.0))
+    fabric.launch()
+    torch.manual_seed(0)
+    net = _DictNet()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(_Dicts(), batch_size=8))
+    forwards = [lambda b: model({"x": b["x"].to(fabric.device).float()}),
+                lambda b: model(features=b["x"].float().view(len(b["x"]), 2, 2)),
+                lambda b: model({"x": b["x"].clone().double().float()})]
+    for i, batch in enumerate(loader):
+        fabric.backward(nn.functional.cross_entropy(forwards[i % 3](batch), batch["y"]))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert fabric.strategy.ledger.steps == len(loader) > 3
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_optimizer_inside_fabrics_wrapper_cannot_update_around_the_ledger(stage):
+    """#40.7: ``optimizer.optimizer.step()`` steps the optimizer DeepSpeed wraps, bypassing the strategy's charge;
+    the noise hook on the base optimizer refuses it before any parameter changes."""
+    fabric, model, optimizer, loader = _setup_all(DPFabricStrategy(stage=stage, noise_multiplier=1.0))
+    x, y = next(iter(loader))
+    before = _params(model)
+    fabric.backward(nn.functional.cross_entropy(model(x), y))
+    with pytest.raises(RuntimeError, match="stepped outside the DP strategy's optimizer step"):
+        optimizer.optimizer.step()
+    assert fabric.strategy.ledger.steps == 0
+    assert all(torch.equal(before[n], p) for n, p in _params(model).items())

@@ -180,3 +180,30 @@ def test_a_restored_ledger_for_other_data_is_refused():
 def test_bad_sigma_is_refused(sigma, c, match):
     with pytest.raises(ValueError, match=match):
         DPMechanism(sigma, c)
+
+
+def test_the_noised_optimizer_updates_only_inside_a_charged_step_and_once():
+    """#40.7: a step of the noised optimizer that no ledger entry covers (outside optimizer_step), or a second
+    update of the same parameters under one charge, is refused before the parameters change."""
+    model = _net()
+    mechanism, optimizer = _mechanism(model, sigma=1.0)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    loss = mechanism.training_step(lambda: F.cross_entropy(model(x), y), len(x))
+    mechanism.probe_loss(loss).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="stepped outside the DP strategy's optimizer step"):
+        optimizer.step()
+    assert mechanism.ledger.steps == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    def twice(charged_closure):
+        charged_closure()
+        optimizer.step()
+        after_one.extend(p.detach().clone() for p in model.parameters())
+        optimizer.step()
+
+    after_one = []
+    with pytest.raises(RuntimeError, match="stepped twice within one charged optimizer step"):
+        mechanism.optimizer_step(twice, lambda: None, boundary=True, step_applied=lambda: True)
+    assert mechanism.ledger.steps == 1 and all(torch.equal(a, b) for a, b in zip(after_one, model.parameters()))
+    _step(mechanism, optimizer, [(x, y)], model)  # the next charged step works as before
+    assert mechanism.ledger.steps == 2

@@ -1,9 +1,10 @@
 """What a DP run prints: no FutureWarning from the libraries (DeepSpeed's calls of torch.distributed's deprecated
-collectives printed hundreds), the user's own warnings all the same, and one line with the privacy plan at the
-start of fit and one with the ε spent at the end, on rank 0 only.
+collectives printed hundreds), none of DeepSpeed's and Lightning's lines a user cannot act on (issue #45, item 4:
+``NOISE``), the user's own warnings all the same, and one line with the privacy plan at the start of fit and one
+with the ε spent at the end, on rank 0 only.
 
-A user's own script (the quick start's module, ZeRO-3, 2 CPU processes) and a YAML run, each a subprocess with
-Python's default warning filters (no PYTHONWARNINGS), counted line by line."""
+A user's own script (the quick start's module, ZeRO-3, 2 CPU processes), a Fabric loop (ZeRO-3, 2 processes) and a
+YAML run, each a subprocess with Python's default warning filters (no PYTHONWARNINGS), counted line by line."""
 
 import os
 import re
@@ -52,7 +53,44 @@ trainer = L.Trainer(strategy="dp_deepspeed_stage_3", accelerator="cpu", devices=
                     callbacks=[PrivacyAccountantCallback(target_epsilon=8, delta=1e-5)], logger=False,
                     enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
 trainer.fit(Classifier(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
+trainer.save_checkpoint("checkpoint")
 '''
+
+FABRIC_SCRIPT = '''
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dpzero import DPFabricStrategy
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(512, 16), torch.randint(0, 4, (512,)))
+strategy = DPFabricStrategy(stage=3, max_grad_norm=1.0, target_epsilon=8.0, delta=1e-5, max_epochs=2)
+fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+fabric.launch()
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+loader = fabric.setup_dataloaders(DataLoader(data, batch_size=32, shuffle=True))
+for epoch in range(2):
+    for x, y in loader:
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if fabric.strategy.should_stop:
+            break
+fabric.save("checkpoint", {"model": model, "optimizer": optimizer})
+fabric.print(f"epsilon = {fabric.strategy.epsilon():.2f} after {fabric.strategy.ledger.steps} steps")
+'''
+
+#: what a DP run printed that its user cannot act on (issue #45, item 4), per rank and run
+NOISE = ("Setting accelerator to CPU", "built successfully", "untested optimizer", "Tip:", "`weights_only` was not set",
+         "FutureWarning")
+LONG_NUMBER = re.compile(r"(sigma|epsilon)=\d+\.\d{7,}")
+
+
+def _no_noise(lines):
+    assert [ln for ln in lines if any(n in ln for n in NOISE) or LONG_NUMBER.search(ln)] == [], "\n".join(lines)
 
 
 def _output(cmd, cwd):
@@ -68,6 +106,7 @@ def test_a_users_script_prints_its_own_warnings_and_no_library_noise(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
     lines = _output([sys.executable, str(script)], tmp_path)
+    _no_noise([ln for ln in lines if "the user's own" not in ln])
     # a warning prints as "file.py:line: Category: message" (Lightning's own without the category) and its source
     warned = [ln for ln in lines if WARNING.search(ln)]
     assert [ln for ln in warned if "the user's own" not in ln] == []
@@ -78,6 +117,18 @@ def test_a_users_script_prints_its_own_warnings_and_no_library_noise(tmp_path):
     assert len(start) == 1 and "q=0.0625" in start[0] and "N=1024" in start[0] and "32 planned steps" in start[0]
     assert "target epsilon 8" in start[0] and "delta=1e-05" in start[0] and "expected batch 64" in start[0]
     assert len(end) == 1 and end[0].startswith("DP-SGD: 32 steps, epsilon=") and "target 8" in end[0]
+
+
+@pytest.mark.slow
+def test_a_fabric_loop_prints_no_library_noise(tmp_path):
+    """The Fabric strategy filters what the Trainer's does (DeepSpeed's ZeRO-3 collectives printed 49
+    FutureWarnings), and neither prints DeepSpeed's or Lightning's per-rank lines a user cannot act on."""
+    script = tmp_path / "loop.py"
+    script.write_text(FABRIC_SCRIPT)
+    lines = _output([sys.executable, str(script)], tmp_path)
+    _no_noise(lines)
+    assert [ln for ln in lines if WARNING.search(ln)] == []
+    assert sum(ln.startswith("epsilon = ") for ln in lines) == 1
 
 
 @pytest.mark.slow

@@ -37,10 +37,12 @@ def check_batch_mixing(module: nn.Module) -> None:
         cls = type(mod).__name__
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             why = ("its training forward normalises with statistics of the whole batch, so one example changes "
-                   "every other example's gradient; use GroupNorm or LayerNorm")
+                   "every other example's gradient; use GroupNorm or LayerNorm: "
+                   "model = lightning_dpzero.fix_model(model) replaces it by GroupNorm with its affine parameters")
         elif getattr(mod, "track_running_stats", False):
             why = ("track_running_stats=True keeps running statistics of the private data without noise in the "
-                   "released model; construct it with track_running_stats=False")
+                   "released model; construct it with track_running_stats=False (model = "
+                   "lightning_dpzero.fix_model(model) does that for InstanceNorm)")
         else:
             continue
         bad.setdefault((cls, why), []).append(name or "<root>")
