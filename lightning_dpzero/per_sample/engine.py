@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .._options import LossReduction, check_option
-from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
+from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
 from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
@@ -125,8 +125,9 @@ class PerSampleEngine:
             return self
         check_batch_mixing(self.module)
         try:
-            self.hooks, covered, owned = attach_hooks(self, self.module)
-            check_coverage(self.module, covered, owned)
+            refused: dict[int, str] = {}
+            self.hooks, covered, owned = attach_hooks(self, self.module, refused)
+            check_coverage(self.module, covered, owned, refused)
         except UnsupportedLayerError:
             self.detach()
             raise
@@ -250,7 +251,7 @@ class PerSampleEngine:
         x = batch_checked_input(hook, x, extra, self.expected_batch_size)
         self._register_site(hook)
         self.input_readers.add(x)
-        return run_call(hook, x, hook.rule.params(hook.module), extra)
+        return hook.run(x, hook.rule.params(hook.module), extra)
 
     def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
                      collectives: Any = None) -> bool:
