@@ -102,6 +102,8 @@ class PerSampleEngine:
         self.layout_verified = False  # every rank passed the layout check with two or more examples
         self._guards: list = []
         self.active = False
+        # _post_processing.py: forwards without the engine (after a private step), a generator's backward under way
+        self.public = self.post_processing_backward = False
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
         self.stand_in = False  # the forward runs on a stand-in for an empty micro-batch (start_micro_batch)
@@ -177,7 +179,7 @@ class PerSampleEngine:
 
     def clipping_now(self) -> bool:
         """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
-        return self.active and torch.is_grad_enabled() and self.module.training
+        return self.active and not self.public and torch.is_grad_enabled() and self.module.training
 
     # ---------------------------------------------------------------- per micro-batch
     @contextlib.contextmanager
@@ -298,6 +300,10 @@ class PerSampleEngine:
     # ---------------------------------------------------------------- backward
     def _on_backward(self, site: Site, params) -> list[Optional[torch.Tensor]]:
         """A site's backward: its norms, then the clipped gradients it returns (none where deferred)."""
+        if self.post_processing_backward:  # _post_processing.py: a generator's loss through a private forward
+            raise UnsupportedLayerError(
+                f"A post-processing model's backward reached '{site.hook.name}' of a private forward (between a draw "
+                "and its step): compute its loss with a forward of the private model after the private step.")
         if self.two_pass and self.phase is None:
             raise RuntimeError("clipping_mode='two-pass' needs the norms first: call engine.norms_pass(loss) "
                                "before loss.backward() (the strategies do).")
