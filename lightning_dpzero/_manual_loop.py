@@ -162,12 +162,12 @@ class ManualSteps:
         saved_backwards, saved_steps = self.backwards, self.steps
         optimizers = list(trainer.strategy._lightning_optimizers)
         hooks = [(o, o._on_before_step, o._on_after_step) for o in optimizers]
-        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        schedulers = [(c.scheduler, vars(c.scheduler).get("step")) for c in trainer.lr_scheduler_configs]
         self._inert = True
         try:
             for o in optimizers:
                 o._on_before_step = o._on_after_step = _nothing
-            for s in schedulers:
+            for s, _ in schedulers:
                 s.step = _nothing  # an instance attribute shadows the method
             yield
         finally:
@@ -175,8 +175,10 @@ class ManualSteps:
             self.backwards, self.steps = saved_backwards, saved_steps
             for o, before, after in hooks:
                 o._on_before_step, o._on_after_step = before, after
-            for s in schedulers:
+            for s, own in schedulers:
                 vars(s).pop("step", None)
+                if own is not None:
+                    s.step = own
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

@@ -113,6 +113,7 @@ def test_what_post_processing_needs_is_enforced_before_any_update(mistake):
 
 
 def test_the_generator_is_not_charged_and_the_discriminator_is_frozen_only_while_it_trains():
+    """After each private step, until the next draw (or the strategy's teardown), the discriminator is frozen."""
     fabric, d, opt_d, g, opt_g, loader = _gan()
     for step, (real, _) in zip(range(3), loader):
         fake = g(torch.randn(len(real), gan.NZ))
@@ -125,9 +126,13 @@ def test_the_generator_is_not_charged_and_the_discriminator_is_frozen_only_while
         opt_g.step()
         opt_g.zero_grad()
     assert fabric.strategy.ledger.steps == 3  # the discriminator's steps; the generator's are post-processing
-    next(iter(loader))
+    real, _ = next(iter(loader))
     assert all(p.requires_grad for p in d.parameters())  # the next draw: trainable again
+    fabric.backward(gan.d_loss(d, real, g(torch.randn(len(real), gan.NZ)).detach()), model=d)
+    opt_d.step()
+    assert not any(p.requires_grad for p in d.parameters())  # after the last step, until the next draw
     fabric.strategy.teardown()
+    assert all(p.requires_grad for p in d.parameters())  # the end of the run: as the user set them
 
 
 def test_a_second_private_model_is_refused_with_the_post_processing_fix():

@@ -119,8 +119,10 @@ class _Parametrize(Reparametrization):
 
     def __init__(self, module: nn.Module, name: str):
         plist = module.parametrizations[name]
-        slots = lambda named: [(plist.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], t)  # noqa: E731
-                               for n, t in named]
+
+        def slots(named) -> list[Slot]:  # "0.scale" -> (plist[0], "scale", tensor)
+            return [(plist.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], t) for n, t in named]
+
         super().__init__(module, name, slots((n, p) for n, p in plist.named_parameters() if p.requires_grad),
                          slots(plist.named_buffers()), plist)
         self.qualified = [f"parametrizations.{name}.{n}" for n, p in plist.named_parameters() if p.requires_grad]
