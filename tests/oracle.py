@@ -46,7 +46,8 @@ def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="
     thr = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
     out = {}
     for grp, c in zip(groups, thr):
-        sq = sum(grads[n].reshape(len(grads[n]), -1).pow(2).sum(1) for n in grp)  # (B,): scalar parameters too
+        sq = sum(grads[n].reshape(len(grads[n]), math.prod(grads[n].shape[1:])).pow(2).sum(1)  # scalar ones too
+                 for n in grp)
         coef = clip_coefficients(sq.sqrt(), c, clipping_fn, gamma).double()
         for n in grp:
             out[n] = (grads[n] * coef.view(-1, *[1] * (grads[n].dim() - 1))).sum(0)
