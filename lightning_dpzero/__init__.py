@@ -29,15 +29,18 @@ _EXPORTS = {
     "UnsupportedLayerError": "per_sample",
     "DistributedPoissonBatchSampler": "sampling",
     "fix_model": "per_sample.fix",
+    "post_processing": "_post_processing",
 }
 __all__ = ["DPDeepSpeedStrategy", "DPFabricStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
-           "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier", "fix_model"]
+           "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier", "fix_model",
+           "post_processing"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
+    from ._post_processing import post_processing
     from .accounting import PrivacyBudgetExceeded, PrivacyLedger, calibrate_noise_multiplier
     from .callback import PrivacyAccountantCallback
     from .per_sample import PerSampleEngine, UnsupportedLayerError

@@ -18,6 +18,20 @@ from .per_sample import PerSampleEngine
 from .per_sample.clipping import validate_clipping, validate_clipping_groups
 
 
+class OfMechanism:
+    """A read-only attribute of the strategy that is its mechanism's attribute of the same name."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, strategy, owner=None):
+        return self if strategy is None else getattr(strategy.mechanism, self.name)
+
+    def __set__(self, strategy, value) -> None:
+        raise AttributeError(f"{self.name} is the mechanism's: it is fixed when the strategy is constructed (or, "
+                             f"for plan and ledger, when training starts); read it as strategy.{self.name}.")
+
+
 class DPSettings:
     """A strategy's DP settings (see ``DPDeepSpeedStrategy``'s arguments): the clipping and loss settings as
     attributes, σ, C and the random streams in ``self.mechanism``. ``ValueError`` names a bad setting."""

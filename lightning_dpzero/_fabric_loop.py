@@ -24,6 +24,7 @@ from ._collate import stand_in_batch
 from ._collectives import sum_over_ranks
 from ._micro_batch import random_state_kept
 from ._options import AccountingWorker
+from ._post_processing import PostProcessing
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded
 from .accounting.background import AccountingAhead, Answerer, ledger_epsilon
 
@@ -94,9 +95,11 @@ class FabricSteps:
     """The state of the step being built: ``ready`` (a batch may be drawn and forwarded), ``forward`` (the
     training forward ran; backward next), ``backward`` (``optimizer.step()`` next)."""
 
-    def __init__(self, mechanism, target_epsilon: Optional[float], accounting_worker: AccountingWorker = "process"
-                 ) -> None:
+    def __init__(self, mechanism, target_epsilon: Optional[float], accounting_worker: AccountingWorker = "process",
+                 post: Optional[PostProcessing] = None) -> None:
         self.mechanism = mechanism
+        self.post = post if post is not None else PostProcessing()  # post-processing models (_post_processing.py)
+        self.batch_forwards = 0  # private forwards of this step on other rows than generated ones
         self.accounting_worker = accounting_worker
         self.target_epsilon = target_epsilon
         self.phase = "ready"
@@ -134,6 +137,7 @@ class FabricSteps:
         from lightning.pytorch.utilities.data import extract_batch_size
 
         self.draws += 1
+        self.post.drawn(batch)
         try:
             self.batch_size = extract_batch_size(batch)
         except Exception:  # noqa: BLE001 - no tensor found: each layer reads B from its input
@@ -148,8 +152,15 @@ class FabricSteps:
         self.drawn_tensors = _tensors(batch)
         return batch
 
-    def before_forward(self, args: tuple = (), kwargs: Optional[dict] = None) -> None:
-        """A training forward (module in training mode, gradients on) is about to run on ``args``/``kwargs``."""
+    def before_forward(self, args: tuple = (), kwargs: Optional[dict] = None) -> str:
+        """A training forward (module in training mode, gradients on) of the private model is about to run on
+        ``args``/``kwargs``: ``"first"`` (the step's first private forward), ``"more"`` (a further private forward,
+        on rows a post-processing model generated this step) or ``"public"`` (after the step, before the next draw,
+        with a post-processing model: the engine stays out of it)."""
+        if self.post.active and self.phase == "ready" and self.draws == 0:
+            self.post.check_public_forward(args, kwargs or {})
+            self.post.public(True)  # (before the first draw too)
+            return "public"
         if self.mechanism.plan is None:
             raise RuntimeError(
                 "A training forward ran before the training DataLoader was set up: pass it through "
@@ -158,21 +169,26 @@ class FabricSteps:
         if not self.next_step_allowed:
             raise PrivacyBudgetExceeded(self.exhausted_message() + " Refusing the step (check "
                                         "fabric.strategy.should_stop after each optimizer.step()).")
-        if self.phase != "ready":
+        generated = self.phase != "backward" and self.post.is_generated(args, kwargs or {})
+        if self.phase == "backward" or self.phase == "forward" and not generated and self.batch_forwards:
             raise RuntimeError(
                 f"A second training forward of the model {'before fabric.backward' if self.phase == 'forward' else 'before optimizer.step()'}: "
                 "each optimizer step of DP training releases one Poisson-sampled batch, clipped per example "
                 "over one forward and one backward (several forwards or gradient accumulation in the loop are "
-                f"not supported; use a larger batch_size). {_LOOP}")
+                "not supported; use a larger batch_size; with a post-processing model, further forwards of a "
+                f"step run on the rows it generated this step, one per example). {_LOOP}")
         if self.draws != 1:
             got = "no batch" if self.draws == 0 else f"{self.draws} batches"
             raise RuntimeError(
                 f"{got} drawn from the DP loader since the last optimizer step: every step must train on exactly "
                 "the one Poisson-sampled batch drawn for it (data from elsewhere, or skipped draws, are not what "
                 f"the privacy ledger charges). Nothing of this step was applied. {_LOOP}")
-        if not forwards_drawn_batch(self.drawn_tensors, args, kwargs or {}):
+        if not generated and not forwards_drawn_batch(self.drawn_tensors, args, kwargs or {}):
             raise RuntimeError(f"{_NOT_DRAWN} {_LOOP}")
+        first = self.phase == "ready"
+        self.batch_forwards += not generated
         self.phase = "forward"
+        return "first" if first else "more"
 
     def before_backward(self) -> None:
         if self.phase != "forward":
@@ -191,7 +207,8 @@ class FabricSteps:
             raise RuntimeError(f"optimizer.step() without fabric.backward(loss) since the last step. {_LOOP}")
 
     def after_step(self) -> None:
-        self.phase, self.draws, self.taken, self.drawn_tensors = "ready", 0, self.taken + 1, []
+        self.phase, self.draws, self.taken, self.batch_forwards, self.drawn_tensors = "ready", 0, self.taken + 1, 0, []
+        self.post.stepped()
 
     # ------------------------------------------------------------------ budget and metrics
     def exhausted_message(self) -> str:

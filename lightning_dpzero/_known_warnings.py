@@ -23,6 +23,10 @@ KNOWN_WARNINGS = (
      r"torch\.distributed\.c10d_logger", "DeepSpeed's ZeRO collectives (older DeepSpeed)"),
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree",
      "Lightning's own pytree helpers"),
+    # a weight_norm layer's per-example vjp (per_sample/parametrized.py): torch.func runs that op's backward once per
+    # example where it has no batching rule, exactly; it names no setting the user could change
+    (UserWarning, r"There is a performance drop because we have not yet implemented the batching rule for "
+     r"aten::_weight_norm_interface_backward", r"torch\.autograd\.graph", "torch.func's exact per-example fallback"),
     # Lightning's advice for a single file points to its converter, which drops the privacy ledger; ours keeps it
     # (lightning_dpzero.checkpoints.convert_zero_checkpoint_with_ledger, docs/privacy.md)
     (UserWarning, r"When saving the DeepSpeed Stage 3 checkpoint, each worker will save a shard",

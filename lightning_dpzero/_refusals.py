@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from ._manual_loop import manual_optimization_refusal
 from .privacy_plan import limited_micro_batches
 
 
@@ -24,13 +25,10 @@ def check_trainer(trainer, deepspeed_config) -> None:
             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) would clip the *noisy* batch gradient; "
             "DP training clips each example instead. Remove gradient_clip_val and set the strategy's "
             "max_grad_norm.")
-    if not trainer.lightning_module.automatic_optimization:
-        raise ValueError(
-            "automatic_optimization=False is not supported: the privacy ledger charges one step per "
-            "optimizer step of Lightning's loop and expects one backward per sampled micro-batch, so manual "
-            "accumulation would be under-charged and several manual_backward calls per batch would let an "
-            "example contribute more than max_grad_norm. Use automatic optimization (return the loss from "
-            "training_step; accumulate with Trainer(accumulate_grad_batches=...)).")
+    if not trainer.lightning_module.automatic_optimization:  # what of manual optimization is still refused
+        refusal = manual_optimization_refusal(trainer)
+        if refusal:
+            raise ValueError(refusal)
     if deepspeed_config and deepspeed_config.get("gradient_clipping"):
         raise ValueError(
             f"The DeepSpeed config sets gradient_clipping={deepspeed_config['gradient_clipping']}; per-example "

@@ -105,3 +105,22 @@ def another_backward_follows(deepspeed_engine) -> Iterator[None]:
         release = getattr(coordinator, "release_backward_leftovers", None)
         if callable(release):
             release()
+
+
+@contextmanager
+def outside_engine_forward(deepspeed_engine: Any) -> Iterator[None]:
+    """For a backward inside the DeepSpeed engine's forward (manual optimization: Lightning runs ``training_step``,
+    ``manual_backward`` included, inside the engine's forward): ZeRO-3 (DeepSpeed 0.19) marks every module's
+    parameters as in a forward, and reading a released parameter as an attribute then all-gathers it and registers
+    it as an external parameter of the module running. The engine's backward reads layers' parameters (their
+    shapes) after ZeRO-3 released them, on the ranks whose sites do that work only: those gathers would be
+    collectives of some ranks alone. For the block the mark is off, as in a backward after the forward."""
+    marked = [m._parameters for m in deepspeed_engine.module.modules()
+              if getattr(m._parameters, "_in_forward", False)]
+    for params in marked:
+        params._in_forward = False
+    try:
+        yield
+    finally:
+        for params in marked:
+            params._in_forward = True

@@ -31,6 +31,7 @@ from typing_extensions import override
 from . import _refusals
 from ._dp_settings import DPSettings
 from ._fabric_loop import FabricSteps, announce_draws
+from ._post_processing import PostProcessing, is_post_processing
 from ._launch import FabricDeepSpeedLaunchMixin
 from .accounting.background import check_accounting_worker
 from ._reduction import deferred_writes_reduced
@@ -113,6 +114,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         self._other_loaders = 0  # loaders set up after the training loader
         self._other_draw: Optional[int] = None  # which of them a batch was drawn from in training mode, since a step
         self._in_layout_check = False
+        self.post = PostProcessing()  # models trained by post-processing of the private one (a DP-GAN's generator)
         self.configure(target_epsilon=target_epsilon, delta=delta, accountant=accountant, max_steps=max_steps,
                        max_epochs=max_epochs, accounting_worker=accounting_worker)
 
@@ -132,7 +134,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         worker = check_accounting_worker(accounting_worker)
         if getattr(self, "steps", None) is not None:
             self.steps.close()
-        self.steps = FabricSteps(self.mechanism, target_epsilon, worker)
+        self.steps = FabricSteps(self.mechanism, target_epsilon, worker, self.post)
         return self
 
     # ------------------------------------------------------------------ what the loop reads
@@ -193,11 +195,21 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
 
     @override
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if is_post_processing(module):  # a generator: DeepSpeed as without DP, its steps not charged
+            engine, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
+            self.post.add(engine, module)
+            return engine, optimizers, scheduler
+        if self.per_sample is not None:
+            raise ValueError(
+                "fabric.setup of a second model under DP: one model is trained privately (its steps clipped, noised "
+                "and charged). A model trained only through the private one's released parameters on generated "
+                "data (a DP-GAN's generator) is post-processing: fabric.setup(post_processing(generator), "
+                "optimizer); otherwise put both models in one module (docs/how-to/dp-gan.md).")
         if self.config and self.config.get("gradient_clipping"):
             raise ValueError(
                 f"The DeepSpeed config sets gradient_clipping={self.config['gradient_clipping']}; per-example "
                 "clipping replaces it. Remove it from the config and set the strategy's max_grad_norm.")
-        self.attach_engine(module, self.clipping_groups, self.zero_stage)
+        self.post.engine = self.attach_engine(module, self.clipping_groups, self.zero_stage)
         if self.global_rank == 0:
             self.steps.start_accounting()  # the worker process starts while DeepSpeed initialises
         engine, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
@@ -258,7 +270,9 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                 "(torch.utils.data.ConcatDataset) in the one training loader; to evaluate on another loader, draw "
                 "from it with the model in eval mode or under torch.no_grad(). Nothing of this step was applied.")
         steps = self.steps
-        steps.before_forward(args, kwargs)
+        which = steps.before_forward(args, kwargs)
+        if which != "first":  # "more": the step's sites go on; "public": after the step, without the engine
+            return None
         if not steps.fit_started:
             self.mechanism.begin_fit({_COUNTER: steps.taken})
             steps.fit_started = True
@@ -277,17 +291,27 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
         if not self.mechanism.active:
             return super().backward(tensor, module, *args, **kwargs)
+        if self.post.owns(module):  # a post-processing model's: through the released private model only
+            self.per_sample.post_processing_backward = True
+            try:
+                return super().backward(tensor, module, *args, **kwargs)
+            finally:
+                self.per_sample.post_processing_backward = False
         self.steps.before_backward()
         engine = self._deepspeed_engine
         loss = self.mechanism.micro_batch_loss(tensor, self.steps.batch_size, step=self.ledger.steps + 1)
         loss = self.mechanism.probe_loss(loss, 1, engine.gradient_accumulation_steps())
-        self.norms_pass(loss)  # two-pass clipping only: the norms (DeepSpeed's backward clips)
-        with deferred_writes_reduced(self.per_sample, engine, self.zero_stage, 1):  # no accumulation on Fabric
-            return super().backward(loss, module, *args, **kwargs)
+        self.post.private_backward = True  # a post-processing model's parameters may receive no gradient in it
+        try:
+            self.norms_pass(loss)  # two-pass clipping only: the norms (DeepSpeed's backward clips)
+            with deferred_writes_reduced(self.per_sample, engine, self.zero_stage, 1):  # no accumulation on Fabric
+                return super().backward(loss, module, *args, **kwargs)
+        finally:
+            self.post.private_backward = False
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        if not self.mechanism.active:
+        if not self.mechanism.active or self.post.owns(optimizer):  # a post-processing model's step: no charge
             return super().optimizer_step(optimizer, **kwargs)
         self.steps.before_step(kwargs)
         steps = self.steps
@@ -362,6 +386,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     @override
     def teardown(self) -> None:
         self.steps.close()
+        self.post.close()
         super().teardown()
 
     # ------------------------------------------------------------------ registry

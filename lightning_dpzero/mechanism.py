@@ -277,19 +277,24 @@ class DPMechanism:
 
     # ------------------------------------------------------------------------------------------ per micro-batch
     def training_step(self, run: Callable[[], Any], batch_size: Optional[int], *, module: Any = None,
-                      step: Optional[int] = None, epoch: Optional[int] = None, stand_in_rows: int = 0) -> Any:
+                      step: Optional[int] = None, epoch: Optional[int] = None, stand_in_rows: int = 0,
+                      loss_in_backward: bool = False) -> Any:
         """Run one micro-batch's ``training_step`` (``run()``), declared to the engine as ``batch_size`` examples
         (None: read from each layer's input), and stop on a non-finite loss (:meth:`check_finite_loss`).
 
         An empty Poisson batch is a valid noise-only step that every rank must run (collectives), on its zero rows
         or, with ``stand_in_rows``, on a stand-in of that many rows (``_collate.stand_in_batch``), of which the
         engine takes no example. The mean loss over no examples is NaN: ``module``'s ``log``/``log_dict`` calls
-        are dropped for it, so no epoch mean turns NaN, and the loss handed to backward is 0."""
+        are dropped for it, so no epoch mean turns NaN, and the loss handed to backward is 0. ``loss_in_backward``:
+        ``run()`` runs its own backward (manual optimization), whose loss the driver hands to
+        :meth:`micro_batch_loss` before it; ``run()``'s output is returned as it is."""
         self.engine.start_micro_batch(batch_size, stand_in_rows)
         if batch_size != 0:
-            return self.check_finite_loss(run(), step, epoch)
+            return run() if loss_in_backward else self.check_finite_loss(run(), step, epoch)
         with logging_suppressed(module):
             out = run()
+        if loss_in_backward:
+            return without_rows(out) if stand_in_rows else out
         return self.check_finite_loss(zero_loss(without_rows(out) if stand_in_rows else out), step, epoch)
 
     def micro_batch_loss(self, loss: Any, batch_size: Optional[int], *, step: Optional[int] = None) -> Any:

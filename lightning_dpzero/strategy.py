@@ -25,27 +25,14 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
 from . import _known_warnings, _lightning_loop as _loop, _refusals
-from ._dp_settings import DPSettings
+from ._dp_settings import DPSettings, OfMechanism
+from ._manual_loop import ManualSteps, one_optimizer
 from ._launch import DeepSpeedLaunchMixin
 from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
 from ._strategy_names import register_names
 from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
 from .per_sample.layout import reindex_batch
-
-
-class _OfMechanism:
-    """A read-only attribute of the strategy that is its mechanism's attribute of the same name."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, strategy, owner=None):
-        return self if strategy is None else getattr(strategy.mechanism, self.name)
-
-    def __set__(self, strategy, value) -> None:
-        raise AttributeError(f"{self.name} is the mechanism's: it is fixed when the strategy is constructed (or, "
-                             f"for plan and ledger, when training starts); read it as strategy.{self.name}.")
 
 
 class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
@@ -124,20 +111,21 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._private_loader: Any = None  # the training loader process_dataloader built (an empty batch's stand-in)
+        self._manual = ManualSteps()  # automatic_optimization=False: the calls of each training_step (_manual_loop)
 
     # ------------------------------------------------------------------ the mechanism's settings and state
-    noise_multiplier = _OfMechanism()
+    noise_multiplier = OfMechanism()
     """σ: the plan's once it is fixed (calibrated from a target ε, or as given), before that as given."""
-    max_grad_norm = _OfMechanism()
+    max_grad_norm = OfMechanism()
     """C."""
-    seed = _OfMechanism()
+    seed = OfMechanism()
     """Seed of the noise and sampling streams (drawn at setup if not given; renewed on resume)."""
-    secure_mode = _OfMechanism()
-    poisson_sampling = _OfMechanism()
-    max_micro_batch_size = _OfMechanism()
-    plan = _OfMechanism()
+    secure_mode = OfMechanism()
+    poisson_sampling = OfMechanism()
+    max_micro_batch_size = OfMechanism()
+    plan = OfMechanism()
     """The run's :class:`PrivacyPlan` (q, σ, δ, N, B_exp, planned steps), fixed with the training loader."""
-    ledger = _OfMechanism()
+    ledger = OfMechanism()
     """The run's :class:`PrivacyLedger`, opened with the plan (or restored from the checkpoint)."""
 
     @property
@@ -153,6 +141,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if fitting:
             _refusals.check_trainer(trainer, self.config)
             self._fit_loop.install(trainer)  # before Lightning registers its SIGTERM handler (after setup)
+            self._manual = ManualSteps(enabled=not trainer.lightning_module.automatic_optimization)
             patterns = None if self.clipping_groups == "param_groups" else self.clipping_groups
             self.attach_engine(self.model, patterns, self.zero_stage)
         super().setup(trainer)
@@ -165,7 +154,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
 
     @override
     def _init_optimizers(self):
-        optimizer, scheduler = super()._init_optimizers()
+        optimizer, scheduler = one_optimizer(super()._init_optimizers)  # several: what DP can do instead
         # DeepSpeed replaces param_groups by flat partitions; keep the user's grouping for group-wise clipping.
         self._user_param_groups = [list(g["params"]) for g in optimizer.param_groups]
         return optimizer, scheduler
@@ -195,10 +184,12 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         if not self.mechanism.active:
             return super().training_step(*args, **kwargs)
         batch_size = extract_batch_size(args[0]) if args else None
+        self._manual.start(batch_size)
         if batch_size == 0:  # an empty batch: on its one-row stand-in (_lightning_loop.empty_batch_step)
             out = _loop.empty_batch_step(self, args, lambda a, rows: self._training_step(a, kwargs, 0, rows))
         else:
             out = self._training_step(args, kwargs, batch_size, batch_size)
+        self._manual.end()
         self._fit_loop.after_micro_batch()
         return out
 
@@ -210,11 +201,13 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
 
         trainer = self.lightning_module.trainer
         if self.layout_check and args and not self.per_sample.layout_verified:  # before the first update
-            self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), rows,
-                                        module=self.lightning_module)
+            with self._manual.inert(trainer):
+                self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), rows,
+                                            module=self.lightning_module)
         return self.mechanism.training_step(run, batch_size, module=self.lightning_module,
                                             step=trainer.global_step + 1, epoch=trainer.current_epoch,
-                                            stand_in_rows=rows if batch_size == 0 else 0)
+                                            stand_in_rows=rows if batch_size == 0 else 0,
+                                            loss_in_backward=self._manual.enabled)
 
     @property
     def stand_in_batch(self) -> bool:
@@ -226,17 +219,24 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.mechanism.active:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        k = self.lightning_module.trainer.accumulate_grad_batches
-        closure_loss = self.mechanism.probe_loss(closure_loss, k, self.deepspeed_engine.gradient_accumulation_steps())
-        self.norms_pass(closure_loss)  # two-pass clipping only: the norms (DeepSpeed's backward clips)
-        with deferred_writes_reduced(self.per_sample, self.deepspeed_engine, self.zero_stage, k):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        closure_loss = self._manual.backward_loss(self, closure_loss)  # manual optimization: once per batch
+        if closure_loss is None:  # manual optimization, inside the layout check's re-run: no backward
+            return None
+        k, engine = self.lightning_module.trainer.accumulate_grad_batches, self.deepspeed_engine
+        closure_loss = self.mechanism.probe_loss(closure_loss, k, engine.gradient_accumulation_steps())
+        with self._manual.backward_context(engine):
+            self.norms_pass(closure_loss)  # two-pass clipping only: the norms (DeepSpeed's backward clips)
+            with deferred_writes_reduced(self.per_sample, engine, self.zero_stage, k):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         if not self.mechanism.active or self.mechanism.plan is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         engine, trainer = self.deepspeed_engine, self.lightning_module.trainer
+        if self._manual.is_inert:  # manual optimization, inside the layout check's re-run: no step
+            return closure()
+        closure = self._manual.checked(closure)  # manual optimization: once per batch, after its one backward
         return self.mechanism.optimizer_step(
             lambda charged_closure: super(DPDeepSpeedStrategy, self).optimizer_step(optimizer, charged_closure,
                                                                                     model, **kwargs),

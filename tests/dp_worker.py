@@ -97,6 +97,29 @@ class Module(L.LightningModule):
                           batch_size=batch_size_of(self.case, self.global_rank))
 
 
+class ManualModule(Module):
+    """The same step in manual optimization (``automatic_optimization = False``), as users write it; with
+    ``case["closure"]`` the backward runs in ``opt.step(closure)``."""
+
+    def __init__(self, case):
+        super().__init__(case)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        if self.case.get("closure"):
+            def closure():
+                loss = Module.training_step(self, batch, batch_idx)
+                self.manual_backward(loss)
+                return loss
+            return opt.step(closure=closure)
+        loss = Module.training_step(self, batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
 class StopAt(L.Callback):
     """Stops the run after ``step`` optimizer steps, as an interruption would (the plan stays max_steps)."""
 
@@ -186,7 +209,7 @@ def run_case(case, out_dir, devices):
     if case.get("cpu_fp16"):
         allow_fp16_on_deepspeed_cpu()
     L.seed_everything(case.get("init_seed", 0), verbose=False)
-    module = Module(case)
+    module = ManualModule(case) if case.get("manual") else Module(case)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
     callbacks = [PrivacyAccountantCallback(target_epsilon=case.get("target_epsilon"), delta=case.get("delta", 1e-5),
                                            on_budget_exhausted=case.get("on_budget_exhausted", "stop"),

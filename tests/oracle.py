@@ -27,21 +27,27 @@ def per_example_grads(model, loss_fn, inputs, targets, dtype=torch.float64):
     return g
 
 
+def layer_of(name: str) -> str:
+    """The layer a parameter name belongs to: its module's path, or for a parametrization's parameter
+    (``conv.parametrizations.weight.original0``) the parametrized layer's (``conv``)."""
+    if name.startswith("parametrizations.") or ".parametrizations." in name:
+        return name.split("parametrizations.")[0].removesuffix(".")
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
 def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="abadi", gamma=0.01, groups=None):
-    """Σ_i clip(g_i) per parameter name: all-layer, layer-wise (one group per module) or explicit ``groups``
-    (lists of names), each group clipped to C/sqrt(K)."""
+    """Σ_i clip(g_i) per parameter name: all-layer, layer-wise (one group per layer, :func:`layer_of`) or
+    explicit ``groups`` (lists of names), each group clipped to C/sqrt(K)."""
     names = list(grads)
     if groups is None and clipping == "all-layer":
         groups = [names]
     elif groups is None:
-        by_mod: dict[str, list[str]] = {}
-        for n in names:
-            by_mod.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(n)
-        groups = list(by_mod.values())
+        groups = layer_groups(names)
     thr = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
     out = {}
     for grp, c in zip(groups, thr):
-        sq = sum(grads[n].flatten(1).pow(2).sum(1) for n in grp)
+        sq = sum(grads[n].reshape(len(grads[n]), math.prod(grads[n].shape[1:])).pow(2).sum(1)  # scalar ones too
+                 for n in grp)
         coef = clip_coefficients(sq.sqrt(), c, clipping_fn, gamma).double()
         for n in grp:
             out[n] = (grads[n] * coef.view(-1, *[1] * (grads[n].dim() - 1))).sum(0)
@@ -73,10 +79,11 @@ def loop_per_example_grads(model, loss_of, B, dtype=torch.float64, alone=True):
 
 
 def layer_groups(names, merge=None):
-    """Layer-wise clipping groups of parameter names: one per module path (``merge`` maps a path to its owner's)."""
+    """Layer-wise clipping groups of parameter names: one per layer (:func:`layer_of`; ``merge`` maps a path to
+    its owner's)."""
     by: dict[str, list[str]] = {}
     for n in names:
-        mod = n.rsplit(".", 1)[0] if "." in n else ""
+        mod = layer_of(n)
         by.setdefault((merge or {}).get(mod, mod), []).append(n)
     return list(by.values())
 

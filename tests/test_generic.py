@@ -94,10 +94,18 @@ class Temperature(nn.Module):
         return x / self.t
 
 
+class ZeroDimTemperature(Temperature):
+    """A learned scalar of shape (): its per-example gradients are (B,) (their clipped sum failed before)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(1.3))
+
+
 @pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
-@pytest.mark.parametrize("layer", [nn.PReLU, Temperature], ids=["prelu", "scalar"])
+@pytest.mark.parametrize("layer", [nn.PReLU, Temperature, ZeroDimTemperature], ids=["prelu", "scalar", "zero_dim"])
 def test_a_scalar_parameter_of_shape_1_is_clipped_by_the_generic_rule(clipping, layer):
-    """nn.PReLU()'s weight and a learned temperature, both (1,): the generic rule clips them (per-example views
+    """nn.PReLU()'s weight and a learned temperature, (1,) or (): the generic rule clips them (per-example views
     of shape (B,) would broadcast over the features, not the batch, and were refused)."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(3, 6), layer(), nn.Linear(6, 2))

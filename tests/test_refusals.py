@@ -51,7 +51,13 @@ def test_gradient_clip_val_is_refused():
         _fit(Net(), DPDeepSpeedStrategy(stage=1, noise_multiplier=1.0), gradient_clip_val=1.0)
 
 
-def test_manual_optimization_is_refused():
+def test_manual_optimization_trains_and_what_it_still_refuses_before_training_is_named():
+    """Manual optimization trains (tests/test_manual_optimization.py: each manual_backward + opt.step() one DP
+    step); refused before training: only accumulation across batches (Lightning refuses it too)."""
+    from types import SimpleNamespace
+
+    from lightning_dpzero._manual_loop import manual_optimization_refusal
+
     class Manual(Net):
         def __init__(self):
             super().__init__()
@@ -63,9 +69,10 @@ def test_manual_optimization_is_refused():
             self.optimizers().step()
 
     model = Manual()
-    with pytest.raises(ValueError, match="automatic_optimization=False.*accumulate_grad_batches"):
-        _fit(model, DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0))
-    assert model.steps_run == 0
+    trainer = _fit(model, DPDeepSpeedStrategy(stage=0, noise_multiplier=1.0))
+    assert trainer.global_step == trainer.strategy.ledger.steps == 2
+    assert manual_optimization_refusal(SimpleNamespace(accumulate_grad_batches=1)) is None
+    assert "accumulate_grad_batches=2" in manual_optimization_refusal(SimpleNamespace(accumulate_grad_batches=2))
 
 
 def test_group_thresholds_above_max_grad_norm_are_refused():

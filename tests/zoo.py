@@ -71,6 +71,20 @@ def _vit():
     return model
 
 
+def _wav2vec2():
+    """Wav2Vec2 for audio classification: raw audio (B, 40) through the convolutional feature encoder, the
+    transformer encoder with its positional convolution under ``parametrizations.weight_norm`` (dim 2, as HF
+    builds it), mean pooling and a head. SpecAugment masking and layer drop off (random per batch, as dropout)."""
+    import transformers as tf
+
+    return tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(
+        hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24, conv_dim=(8, 8),
+        conv_kernel=(4, 3), conv_stride=(2, 2), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        feat_extract_norm="group", mask_time_prob=0.0, mask_feature_prob=0.0, layerdrop=0.0, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, num_labels=3,
+        classifier_proj_size=8, attn_implementation="eager"))
+
+
 class LM(nn.Module):
     """A causal LM: token ids (B, T) → logits (B, V, T)."""
 
@@ -94,7 +108,7 @@ class Seq2Seq(nn.Module):
 
 
 class Classifier(nn.Module):
-    """BERT on token ids, ViT on pixels: (B, ...) → logits (B, classes)."""
+    """BERT on token ids, ViT on pixels, Wav2Vec2 on audio: (B, ...) → logits (B, classes)."""
 
     def __init__(self, model, key):
         super().__init__()
@@ -114,7 +128,8 @@ def freeze_shared_bias(model: nn.Module) -> list[str]:
 
 
 #: kind -> (builder, input kind); inputs: "lm" (B, T) ids with (B, T) targets, "cls" ids with (B,) classes,
-#: "seq2seq" (B, T) ids with (B, T - ENC) targets, "image" (B, 1, 8, 8) pixels with (B,) classes
+#: "seq2seq" (B, T) ids with (B, T - ENC) targets, "image" (B, 1, 8, 8) pixels with (B,) classes, "audio" (B, 40)
+#: samples with (B,) classes
 ZOO = {
     "gpt2": (lambda: LM(_gpt2()), "lm"),
     "llama": (lambda: LM(_decoder("llama")), "lm"),
@@ -125,6 +140,7 @@ ZOO = {
     "t5_unfrozen": (lambda: Seq2Seq(_t5()), "seq2seq"),
     "bert": (lambda: Classifier(_bert(), "input_ids"), "cls"),
     "vit": (lambda: Classifier(_vit(), "pixel_values"), "image"),
+    "wav2vec2": (lambda: Classifier(_wav2vec2(), "input_values"), "audio"),
 }
 
 
@@ -148,6 +164,8 @@ def make_data(kind: str, n: int, seed: int = 42) -> tuple[torch.Tensor, torch.Te
     inputs = ZOO[kind][1]
     if inputs == "image":
         return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+    if inputs == "audio":
+        return torch.randn(n, 40, generator=g), torch.randint(0, 3, (n,), generator=g)
     x = torch.randint(1, V, (n, T), generator=g)
     if inputs == "cls":
         return x, torch.randint(0, 3, (n,), generator=g)

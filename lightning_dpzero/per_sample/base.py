@@ -324,6 +324,11 @@ class LayerHook:
         self.engine, self.module, self.name, self.rule = engine, module, name, rule
         self.module_forward = module.forward
 
+    def run(self, x, params: list, extra: tuple[tuple, dict]):
+        """One clipped call (:func:`run_call`); a hook whose layer computes its tensors otherwise overrides it
+        (``parametrized.py``)."""
+        return run_call(self, x, params, extra)
+
     def original_forward(self, x, extra: tuple[tuple, dict] = ((), {})):
         """What the engine runs when it does not clip (eval, no grad), with the call's other arguments."""
         return self.module_forward(x, *extra[0], **extra[1])

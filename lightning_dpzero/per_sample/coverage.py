@@ -3,6 +3,9 @@
 
 Each module with trainable parameters of its own gets, in this order:
 
+0. for a layer whose weight a parametrization computes (``parametrized.py``: ``parametrize``, the hook-based
+   ``weight_norm``/``spectral_norm``), its dedicated rule through the parametrization's vjp, covering the
+   parametrization's parameters (the modules holding them are owned by it); without such a rule, refused;
 1. its dedicated rule (``registry.find_rule``), when the rule knows every parameter of the module;
 2. nothing, when a parent's rule owns it (attention's ``out_proj``);
 3. per-example views (``parameters.py``), when its trainable parameters of its own all have first dimension 1
@@ -18,12 +21,16 @@ The guard on every covered parameter (I5 at run time) is installed here too.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from .base import LayerHook, RuleDoesNotApply, UnsupportedLayerError
 from .generic import GenericHook
 from .parameters import ParameterHook, broadcast_candidates
+from .parametrized import parametrization_modules, parametrized_hook, reparametrizations, unsupported_reason as \
+    parametrized_reason
 from .registry import find_rule, has_registered_base, owned_children, unsupported_reason
 
 #: module names a refusal line lists before "and N more"
@@ -62,9 +69,12 @@ def _trainable_below(mod: nn.Module) -> list[str]:
     return [n for n, c in mod.named_children() if any(p.requires_grad for p in c.parameters())]
 
 
-def attach_hooks(engine, module: nn.Module) -> tuple[list[LayerHook], set[int], set[int]]:
+def attach_hooks(engine, module: nn.Module, refused: Optional[dict[int, tuple[str, str]]] = None
+                 ) -> tuple[list[LayerHook], set[int], set[int]]:
     """Replace the forward of every module that gets a site (instance attribute only); returns the hooks, the
-    ids of the parameters they cover, and the ids of the child modules a parent's rule owns."""
+    ids of the parameters they cover, and the ids of the child modules a parent's rule owns. ``refused`` (module
+    id → (layer name, reason)) receives, for each parametrized layer no rule covers, the layer and the modules
+    holding its parametrizations (for :func:`check_coverage`: one line for the layer)."""
     hooks: list[LayerHook] = []
     covered: set[int] = set()
     owned: set[int] = set()  # ids of child modules whose parent's rule clips their parameters
@@ -75,7 +85,17 @@ def attach_hooks(engine, module: nn.Module) -> tuple[list[LayerHook], set[int], 
         covered.update(id(p) for p in hook.rule.params(hook.module) if p is not None)
 
     skipped = []
-    for name, mod in module.named_modules():  # 1. dedicated rules (a parent before its children)
+    for name, mod in module.named_modules():  # 0.-1. dedicated rules (a parent before its children)
+        reparams = {} if id(mod) in owned else reparametrizations(mod)
+        if reparams:  # before anything reads the computed weight (a training-mode spectral_norm updates buffers)
+            hook = parametrized_hook(engine, mod, name or type(mod).__name__, reparams)
+            owned |= {id(m) for m in parametrization_modules(mod)}  # never given a rule of their own
+            if hook is not None:
+                install(hook)
+            elif refused is not None:
+                reason = parametrized_reason(mod, reparams)
+                refused.update({id(m): (name or "<root>", reason) for m in [mod, *parametrization_modules(mod)]})
+            continue
         rule = None if id(mod) in owned else find_rule(mod)
         if rule is None:
             skipped.append((name, mod))
@@ -135,13 +155,23 @@ def _reason(mod: nn.Module, names: list[str], owned: set[int]) -> str:
             "(lightning_dpzero.per_sample.register_rule), or freeze them (requires_grad_(False))")
 
 
-def check_coverage(module: nn.Module, covered: set[int], owned: set[int]) -> None:
+def check_coverage(module: nn.Module, covered: set[int], owned: set[int],
+                   refused: Optional[dict[int, tuple[str, str]]] = None) -> None:
     """Refuse, in one message with one line per module class and cause, every trainable parameter whose id is
-    not in ``covered``."""
+    not in ``covered`` (``refused``: from :func:`attach_hooks`; a parametrized layer's parameters, its
+    parametrizations' included, on its own line)."""
     lines: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}
+    by_layer: dict[str, list[str]] = {}
+    classes = {name or "<root>": type(mod).__name__ for name, mod in module.named_modules()}
     for mname, mod in module.named_modules():
         names = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad and id(p) not in covered]
-        if names:
+        if names and refused and id(mod) in refused:
+            layer, reason = refused[id(mod)]
+            if not by_layer.setdefault((layer, reason), []):
+                lines.setdefault((classes[layer], reason), []).append((layer, by_layer[(layer, reason)]))
+            below = mname[len(layer) + 1:] if layer != "<root>" else mname  # the module's path inside the layer
+            by_layer[(layer, reason)].extend(f"{below}.{n}" if below else n for n in names)
+        elif names:
             key = (type(mod).__name__, _reason(mod, names, owned))
             lines.setdefault(key, []).append((mname or "<root>", names))
     if not lines:

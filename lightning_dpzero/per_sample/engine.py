@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .._options import LossReduction, check_option
-from .base import LayerHook, Site, UnsupportedLayerError, no_autocast, run_call
+from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
 from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
@@ -102,6 +102,8 @@ class PerSampleEngine:
         self.layout_verified = False  # every rank passed the layout check with two or more examples
         self._guards: list = []
         self.active = False
+        # _post_processing.py: forwards without the engine (after a private step), a generator's backward under way
+        self.public = self.post_processing_backward = False
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
         self.stand_in = False  # the forward runs on a stand-in for an empty micro-batch (start_micro_batch)
@@ -125,8 +127,9 @@ class PerSampleEngine:
             return self
         check_batch_mixing(self.module)
         try:
-            self.hooks, covered, owned = attach_hooks(self, self.module)
-            check_coverage(self.module, covered, owned)
+            refused: dict[int, str] = {}
+            self.hooks, covered, owned = attach_hooks(self, self.module, refused)
+            check_coverage(self.module, covered, owned, refused)
         except UnsupportedLayerError:
             self.detach()
             raise
@@ -176,7 +179,7 @@ class PerSampleEngine:
 
     def clipping_now(self) -> bool:
         """Whether a forward now runs through the engine (attached, training mode, gradients enabled)."""
-        return self.active and torch.is_grad_enabled() and self.module.training
+        return self.active and not self.public and torch.is_grad_enabled() and self.module.training
 
     # ---------------------------------------------------------------- per micro-batch
     @contextlib.contextmanager
@@ -250,7 +253,7 @@ class PerSampleEngine:
         x = batch_checked_input(hook, x, extra, self.expected_batch_size)
         self._register_site(hook)
         self.input_readers.add(x)
-        return run_call(hook, x, hook.rule.params(hook.module), extra)
+        return hook.run(x, hook.rule.params(hook.module), extra)
 
     def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
                      collectives: Any = None) -> bool:
@@ -297,6 +300,10 @@ class PerSampleEngine:
     # ---------------------------------------------------------------- backward
     def _on_backward(self, site: Site, params) -> list[Optional[torch.Tensor]]:
         """A site's backward: its norms, then the clipped gradients it returns (none where deferred)."""
+        if self.post_processing_backward:  # _post_processing.py: a generator's loss through a private forward
+            raise UnsupportedLayerError(
+                f"A post-processing model's backward reached '{site.hook.name}' of a private forward (between a draw "
+                "and its step): compute its loss with a forward of the private model after the private step.")
         if self.two_pass and self.phase is None:
             raise RuntimeError("clipping_mode='two-pass' needs the norms first: call engine.norms_pass(loss) "
                                "before loss.backward() (the strategies do).")

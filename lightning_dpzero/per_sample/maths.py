@@ -140,7 +140,8 @@ def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     the transposed ``(B, p, d)`` view of :func:`rows_per_example`, the transposed sum of its contiguous form."""
     if per.dim() == 3 and not per.is_contiguous() and per.transpose(1, 2).is_contiguous():
         return weighted_sum(per.transpose(1, 2), coef).t()
-    return coef.to(per.dtype).view(1, -1).mm(per.flatten(1)).view(per.shape[1:])
+    # (B, n) explicitly, not flatten(1): a scalar parameter's per-example gradients are (B,), and B may be 0
+    return coef.to(per.dtype).view(1, -1).mm(per.reshape(per.shape[0], math.prod(per.shape[1:]))).view(per.shape[1:])
 
 
 def weighted_sum_parts(parts: list[torch.Tensor], coef: torch.Tensor) -> torch.Tensor:
