@@ -37,12 +37,17 @@ def check_trainer(trainer, deepspeed_config) -> None:
 
 def check_precision(precision, accelerator, deepspeed_config) -> None:
     """Refuse fp16 (``precision="16-mixed"``/``"16-true"``, or ``fp16.enabled`` in the DeepSpeed config) on a CPU
-    accelerator, when the Trainer or Fabric is built: DeepSpeed's CPU accelerator has no fp16 and stopped the run
-    after start-up with a bare ``Type fp16 is not supported on your device``."""
+    accelerator, when the Trainer or Fabric is built, where DeepSpeed's CPU accelerator has no fp16 (it has where
+    oneDNN has fp16 kernels for the CPU): DeepSpeed stopped such a run after start-up with a bare ``Type fp16 is
+    not supported on your device``."""
     from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
     from lightning.pytorch.accelerators import CPUAccelerator
 
     if not isinstance(accelerator, (CPUAccelerator, FabricCPU)):
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():  # the same test DeepSpeed's engine makes
         return
     fp16 = (deepspeed_config or {}).get("fp16", {}).get("enabled", False)
     if str(precision) in ("16-mixed", "16-true", "16") or fp16:

@@ -58,7 +58,7 @@ def run_cases(cases, out_dir, world_size, timeout=600, nodes=1, launcher="env", 
         if not any(codes) or "address already in use" not in log.lower():
             break
     if any(codes) and not _aborted_after_finishing(out_dir, world_size, codes):
-        raise RuntimeError(f"worker exit codes {codes}\n{log[-4000:]}")
+        raise RuntimeError(f"worker exit codes {codes}\n{failure_text(log)}")
     results = {}
     for case in cases:
         res = torch.load(out_dir / f"{case['name']}.pt", weights_only=False)
@@ -69,6 +69,15 @@ def run_cases(cases, out_dir, world_size, timeout=600, nodes=1, launcher="env", 
                                for r in range(world_size)]
         results[case["name"]] = res
     return results
+
+
+def failure_text(log: str, size: int = 4000) -> str:
+    """What a failed run's log says: a refusal prints its message first and then "Raised at (most recent call
+    last):" with the frames, so the message precedes the traceback and a plain tail of the log would cut it off."""
+    at = log.rfind("Raised at (most recent call last):")
+    if at < 0:
+        return log[-size:]
+    return f"{log[max(0, at - size // 2):at]}[...]\n{log[-size // 2:]}"
 
 
 def _aborted_after_finishing(out_dir: Path, world_size: int, codes: list[int]) -> bool:
