@@ -164,8 +164,8 @@ def train_dp(args: argparse.Namespace) -> tuple[float, float, float, float, bool
     accountant = PrivacyAccountantCallback(target_epsilon=target, delta=args.delta)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
-        callbacks=[accountant, EpochLine(accountant)], logger=False, enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        callbacks=[accountant, EpochLine(accountant)], logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         check_val_every_n_epoch=args.epochs)  # score the test split once, after the last epoch
     L.seed_everything(args.seed, verbose=False)  # same initial weights on every rank
     model = DigitsCNN(lr=args.lr, batch_size=args.batch_size, momentum=args.momentum)

@@ -367,7 +367,7 @@ def test_quick_start_runs_as_pasted(quickstart_run):
         said = re.search(r"`(val_acc=\S+ epsilon=\S+ delta=\S+ noise_multiplier=\S+)`", (ROOT / doc).read_text("utf-8"))
         assert said, f"{doc} no longer quotes the quick start's last line"
         quoted = QUICKSTART_LINE.match(said[1])
-        assert quoted.groups()[1:] == match.groups()[1:], f"{doc} says {said[1]!r}; the quick start printed {match[0]!r}"
+        assert quoted.groups()[1:] == match.groups()[1:], f"{doc} says {said[1]!r}; it printed {match[0]!r}"
         assert abs(float(quoted[1]) - val_acc) <= 0.05, (doc, said[1], match[0])
     assert val_acc >= 0.8, proc.stdout[-3000:]  # a linear label: chance is 0.5
     verify = subprocess.run([sys.executable, "-m", "lightning_dpzero.cli", "ledger", "verify",
