@@ -3,13 +3,16 @@
     python examples/digits.py                      # DP-SGD at epsilon <= 8, delta = 1e-5
     python examples/digits.py --compare            # also train the same model without DP (one process)
     python examples/digits.py --noise-multiplier 1.2 --epochs 10   # explicit sigma, no target epsilon
+    lightning-dpzero ledger show checkpoints/digits.ckpt            # the privacy ledger of the checkpoint it saved
 
 Data: ``sklearn.datasets.load_digits`` (1,797 real 8x8 grey-scale images, 10 classes), split once with a
 fixed seed into 1,500 training and 297 test images. Model: Conv2d + GroupNorm + Linear (no BatchNorm, whose
 batch statistics mix examples and so cannot be clipped per example).
 
-The last line printed (by rank 0 only) is ``accuracy=A epsilon=E delta=D``: test accuracy of the DP model,
-the epsilon actually spent (exact, from the privacy ledger) and delta. From YAML
+Rank 0 prints a line per epoch (``epoch 3/20: epsilon=3.18 (18 steps, 2 s)``), saves a checkpoint (ZeRO shards
+and the privacy ledger) to ``checkpoints/digits.ckpt`` (``--checkpoint``), and its last line is
+``accuracy=A epsilon=E delta=D``: test accuracy of the DP model, the epsilon actually spent (exact, from the
+privacy ledger) and delta. From YAML
 (``lightning-dpzero fit --config examples/configs/digits.yaml``) ``DigitsCNN(print_summary=True)`` prints the
 same line at the end of fit.
 """
@@ -115,6 +118,23 @@ class DigitsCNN(L.LightningModule):
         return DataLoader(Subset(self.test_set, indices), batch_size=512)
 
 
+class EpochLine(L.Callback):
+    """Rank 0 prints one line per training epoch, ``epoch 3/20: epsilon=3.18 (18 steps, 2 s)``: ε spent so far
+    (exact, from the privacy ledger), the optimizer steps and the seconds since training started, so that a run
+    shows its progress without a progress bar."""
+
+    def __init__(self, accountant: PrivacyAccountantCallback) -> None:
+        self.accountant, self.start = accountant, time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: epsilon={self.accountant.epsilon():.2f} "
+                  f"({trainer.global_step} steps, {time.perf_counter() - self.start:.0f} s)", flush=True)
+
+
 def quiet() -> None:
     """Keep stdout readable: Lightning's info banners and DeepSpeed's per-step logs off; errors stay."""
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning", "lightning",
@@ -134,7 +154,8 @@ def quiet() -> None:
 
 
 def train_dp(args: argparse.Namespace) -> tuple[float, float, float, float, bool]:
-    """DP-SGD on ZeRO; returns (test accuracy, epsilon, delta, sigma, is rank 0)."""
+    """DP-SGD on ZeRO, then the checkpoint ``args.checkpoint`` (unless empty); returns (test accuracy, epsilon,
+    delta, sigma, is rank 0)."""
     strategy = DPDeepSpeedStrategy(
         stage=args.stage, noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm,
         clipping=args.clipping, clipping_fn=args.clipping_fn, seed=args.noise_seed,
@@ -143,12 +164,14 @@ def train_dp(args: argparse.Namespace) -> tuple[float, float, float, float, bool
     accountant = PrivacyAccountantCallback(target_epsilon=target, delta=args.delta)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
-        callbacks=[accountant], logger=False, enable_checkpointing=False, enable_model_summary=False,
-        enable_progress_bar=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        callbacks=[accountant, EpochLine(accountant)], logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         check_val_every_n_epoch=args.epochs)  # score the test split once, after the last epoch
     L.seed_everything(args.seed, verbose=False)  # same initial weights on every rank
     model = DigitsCNN(lr=args.lr, batch_size=args.batch_size, momentum=args.momentum)
     trainer.fit(model)
+    if args.checkpoint:  # every rank writes its ZeRO shards; the privacy ledger goes beside them
+        trainer.save_checkpoint(args.checkpoint)
     accuracy = float(trainer.callback_metrics["test_acc"])  # synced over ranks by torchmetrics
     return accuracy, accountant.epsilon(), accountant.delta, strategy.plan.noise_multiplier, trainer.is_global_zero
 
@@ -192,6 +215,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clipping-fn", default="abadi", choices=["abadi", "automatic"])
     p.add_argument("--compare", action="store_true", help="also train without DP and print its accuracy")
     p.add_argument("--compare-epochs", type=int, default=10)
+    p.add_argument("--checkpoint", default="checkpoints/digits.ckpt",
+                   help="where to save the DP model's checkpoint with its privacy ledger ('' for none)")
     return p.parse_args(argv)
 
 
@@ -208,12 +233,19 @@ def main(argv=None) -> None:
         plain_acc = train_plain(args)
         print(f"non-private: accuracy={plain_acc:.4f} ({args.compare_epochs} epochs, Adam, "
               f"{time.perf_counter() - start:.1f} s)", flush=True)
+    if is_launcher:
+        target = "explicit sigma" if args.noise_multiplier is not None else f"target epsilon {args.target_epsilon:g}"
+        print(f"DP-SGD on {args.devices} CPU processes, ZeRO-{args.stage}, {args.epochs} epochs, {target}: starting "
+              "(a first run also compiles DeepSpeed's CPU communication op, up to 2 minutes)", flush=True)
     start = time.perf_counter()
     acc, epsilon, delta, sigma, rank_zero = train_dp(args)
     if rank_zero:
         print(f"DP-SGD: ZeRO-{args.stage}, {args.devices} processes, {args.epochs} epochs, sigma={sigma:.4f}, "
               f"C={args.max_grad_norm}, {args.clipping}/{args.clipping_fn}, "
               f"{time.perf_counter() - start:.1f} s", flush=True)
+        if args.checkpoint:
+            print(f"checkpoint: {args.checkpoint} (its privacy ledger: lightning-dpzero ledger show "
+                  f"{args.checkpoint})", flush=True)
         print(f"accuracy={acc:.2f} epsilon={epsilon:.2f} delta={delta:g}", flush=True)
 
 

@@ -22,6 +22,7 @@ callback such as ``OnExceptionCheckpoint`` does), and no window is cut (docs/rel
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -98,6 +99,29 @@ def step_counters(trainer, deepspeed_engine, with_this_update: bool = False) -> 
             "DeepSpeed global_steps": int(deepspeed_engine.global_steps) + int(with_this_update)}
 
 
+def resume_advice(trainer) -> str:
+    """What a fit stopped by SIGTERM resumes from, as a sentence: the checkpoint ``OnExceptionCheckpoint`` writes at
+    the stop; else the newest checkpoint a ``ModelCheckpoint`` wrote (the steps after it are lost, and charged
+    again when redone); else how to have one written."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    callbacks = getattr(trainer, "callbacks", [])
+    on_exception = next((cb for cb in callbacks if isinstance(cb, OnExceptionCheckpoint)), None)
+    if on_exception is not None:
+        path = on_exception.ckpt_path
+        return f"OnExceptionCheckpoint saves {path}: resume with trainer.fit(model, ckpt_path=\"{path}\")."
+    saved = [Path(p) for cb in callbacks if isinstance(cb, ModelCheckpoint)
+             for p in (cb.last_model_path, cb.best_model_path) if p and Path(p).exists()]
+    if saved:
+        path = max(saved, key=lambda p: p.stat().st_mtime)
+        return (f"No checkpoint is saved at the stop; the newest is {path} (the steps after it are not in it, and "
+                f"are charged again when redone): resume with trainer.fit(model, ckpt_path=\"{path}\"), and add "
+                "lightning.pytorch.callbacks.OnExceptionCheckpoint(dirpath=...) to save one at the stop.")
+    return ("No checkpoint is saved at the stop, and none was saved before: add "
+            "lightning.pytorch.callbacks.OnExceptionCheckpoint(dirpath=...) to the callbacks to save one there, and "
+            "resume from it with trainer.fit(model, ckpt_path=...).")
+
+
 class FitLoopGuard:
     """What :class:`~lightning_dpzero.DPDeepSpeedStrategy` does around Lightning's loop for ``mechanism``: the
     accumulation window of every micro-batch, the step counters, and the SIGTERM notifier.
@@ -160,5 +184,5 @@ class FitLoopGuard:
             return
         if not self._connector.received_sigterm:
             rank_zero_info("SIGTERM received: every rank stops after this optimizer step (the privacy ledger "
-                           "charges it).")
+                           "charges it). " + resume_advice(self.trainer))
         self._connector.received_sigterm = True

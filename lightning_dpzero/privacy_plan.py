@@ -171,11 +171,8 @@ class PrivacyPlan:
             elif planned is not None:
                 eps = epsilon_for(sigma, delta, q, planned, accountant, truncation=p)
                 if eps > target_epsilon:
-                    fits = _steps_within(target_epsilon, delta, q, sigma, accountant, micro_batch_bound)
-                    raise ValueError(
-                        f"noise_multiplier={sigma} gives ε={eps:.3g} > target_epsilon={target_epsilon} after the "
-                        f"planned {planned} steps (q={q:.4g}, δ={delta}); only {fits} steps fit in the budget. "
-                        "Remove noise_multiplier to calibrate it, raise it, or train at most that many steps.")
+                    raise ValueError(_over_budget(sigma, eps, target_epsilon, delta, q, planned, accountant,
+                                                  micro_batch_bound))
         if sigma is None:
             raise ValueError("No noise multiplier: pass DPDeepSpeedStrategy(noise_multiplier=σ) or add "
                              "PrivacyAccountantCallback(target_epsilon=..., delta=...) to calibrate σ.")
@@ -257,6 +254,26 @@ def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
     if limit_train_batches < 1.0:
         return int(micro_batches * limit_train_batches)
     return micro_batches
+
+
+def _over_budget(sigma: float, eps: float, target: float, delta: float, q: float, planned: int, accountant: str,
+                 bound: Optional[MicroBatchBound]) -> str:
+    """The refusal of an explicit σ whose ε over the planned steps exceeds the target: how many steps fit, or,
+    where not even one does, what one step costs and the settings that make room."""
+    head = (f"noise_multiplier={sigma} gives ε={eps:.3g} > target_epsilon={target} after the planned {planned} "
+            f"steps (q={q:.4g}, δ={delta}); ")
+    fits = _steps_within(target, delta, q, sigma, accountant, bound)
+    if fits > 0:
+        return (head + f"only {fits} steps fit in the budget. Remove noise_multiplier to calibrate it, raise it, or "
+                f"train at most {fits} steps (Trainer(max_steps={fits})).")
+    if sigma > 0:
+        one = epsilon_for(sigma, delta, q, 1, accountant, truncation=_planned_truncation(bound, q, 1))
+        cost = f"a single step already costs ε={one:.3g}"
+    else:
+        cost = "without noise every step costs ε=∞"
+    return (head + f"no step fits at this σ: {cost}. Remove noise_multiplier to "
+            "calibrate it (or raise it), raise target_epsilon, or lower the sample rate q (a smaller DataLoader "
+            "batch_size, or more training examples).")
 
 
 def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str,

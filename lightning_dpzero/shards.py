@@ -36,6 +36,7 @@ another, or overlapping file lists): that stays the user's to ensure.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from ._collectives import Collectives, gather_objects
 from ._repeats import check_no_repeated_examples
@@ -57,6 +58,7 @@ DIGEST_EXAMPLES = 8
 #: the attribute of a rank's training dataset that names its shard, replacing the hash of its examples
 SHARD_ID = "dp_shard_id"
 _SETTINGS = ("accumulate_grad_batches", "poisson_sampling", "max_micro_batch_size")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -304,13 +306,15 @@ def _say_one_dataset(views: list[_RankView], unproven: bool) -> None:
     world, n = len(views), views[0].length
     if not unproven:
         # the usual case (use_distributed_sampler=False set for validation sharding, as the example configs do):
-        # correct as it is, so said once in the log, not warned
-        rank_zero_info(
-            f"use_distributed_sampler=False, but every one of the {world} ranks' training DataLoaders holds the "
-            f"same dataset ({n} examples: the same length and the same examples). It is treated as one global "
-            f"dataset of N = {n} examples that the DP sampler shards over the ranks (not {world} shards of N = "
-            f"{n * world}, which would understate ε). To train on per-rank shards, give each rank's DataLoader its "
-            "own, disjoint part of the data.")
+        # correct as it is (the start line states N), so nothing to act on: a record of this module's logger,
+        # which prints only where the user asked for INFO logs (Lightning's own logger prints INFO on the console)
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            log.info(
+                f"use_distributed_sampler=False, but every one of the {world} ranks' training DataLoaders holds the "
+                f"same dataset ({n} examples: the same length and the same examples). It is treated as one global "
+                f"dataset of N = {n} examples that the DP sampler shards over the ranks (not {world} shards of N = "
+                f"{n * world}, which would understate ε). To train on per-rank shards, give each rank's DataLoader "
+                "its own, disjoint part of the data.")
         return
     unread = [r for r, v in enumerate(views) if v.identity[1] is None]
     rank_zero_warn(

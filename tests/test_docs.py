@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import builtins
 import html
+import importlib.util
 import os
 import re
 import shutil
@@ -289,6 +290,18 @@ def _parses(code: str) -> bool:
         return False
 
 
+def missing_modules(code: str) -> list[str]:
+    """The top-level modules a block imports that are not installed here (an optional extra's, e.g. the
+    ``lora`` extra's peft and transformers)."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return sorted(name for name in names if importlib.util.find_spec(name) is None)
+
+
 def test_checker_tells_fragments_and_incomplete_blocks_apart():
     """The block checks above catch the blocks that could not be pasted."""
     assert undefined_names("import lightning as L\ntrainer = L.Trainer()\ntrainer.fit(model)\n") == {"model"}
@@ -298,6 +311,8 @@ def test_checker_tells_fragments_and_incomplete_blocks_apart():
     assert not undefined_names("import torch\nfor i in range(3):\n    y = torch.zeros(i)\nprint(y)\n")
     assert is_fragment("class M:\n    ...\n") and is_fragment("f(x, ...)\n")
     assert not is_fragment("x = 1  # ... more\n")
+    assert missing_modules("import os.path\nimport torch\nfrom no_such_module_here.sub import f\nfrom . import g\n"
+                           "import also_not_installed as a\n") == ["also_not_installed", "no_such_module_here"]
 
 
 def test_home_page_and_readme_show_the_quick_start_file(site):
@@ -346,6 +361,14 @@ def test_quick_start_runs_as_pasted(quickstart_run):
     assert match, proc.stdout[-3000:]
     val_acc, epsilon, delta = float(match[1]), float(match[2]), float(match[3])
     assert 7.5 <= epsilon <= 8.0 and delta == 1e-5
+    # the line the home page and the README say it prints: ε, δ and σ exactly (the plan fixes them), the accuracy
+    # within what the noise, drawn from OS entropy, moves it
+    for doc in ("docs/index.md", "README.md"):
+        said = re.search(r"`(val_acc=\S+ epsilon=\S+ delta=\S+ noise_multiplier=\S+)`", (ROOT / doc).read_text("utf-8"))
+        assert said, f"{doc} no longer quotes the quick start's last line"
+        quoted = QUICKSTART_LINE.match(said[1])
+        assert quoted.groups()[1:] == match.groups()[1:], f"{doc} says {said[1]!r}; it printed {match[0]!r}"
+        assert abs(float(quoted[1]) - val_acc) <= 0.05, (doc, said[1], match[0])
     assert val_acc >= 0.8, proc.stdout[-3000:]  # a linear label: chance is 0.5
     verify = subprocess.run([sys.executable, "-m", "lightning_dpzero.cli", "ledger", "verify",
                              "checkpoints/last.ckpt"], cwd=workdir, env=_clean_env(), capture_output=True,
@@ -372,6 +395,10 @@ def test_complete_python_blocks_run(site, quickstart_run):
                 continue
             blocks.setdefault(code, (page, first))
     assert len(blocks) >= 5, blocks  # the checker found the blocks (pages' structure unchanged)
+    # blocks of an optional extra that is not installed (the LoRA page's peft and transformers: the lora extra)
+    # are skipped, and said so, rather than failed
+    unavailable = {code: missing_modules(code) for code in blocks if missing_modules(code)}
+    blocks = {code: where for code, where in blocks.items() if code not in unavailable}
 
     # Each block in its own copy of the quick start's directory, two at a time: most are one process that
     # spends its time importing, so the pair shares the machine's two cores, and no block sees another's files.
@@ -386,3 +413,7 @@ def test_complete_python_blocks_run(site, quickstart_run):
     failures = [f"{page or 'home'}: block starting {first!r} exits {run.returncode}:\n{run.stderr[-3000:]}"
                 for (page, first), run in zip(blocks.values(), runs) if run.returncode != 0]
     assert not failures, "\n\n".join(failures)
+    if unavailable:
+        pytest.skip(f"{len(runs)} blocks ran; skipped {len(unavailable)} that import what is not installed "
+                    f"({', '.join(sorted({m for ms in unavailable.values() for m in ms}))}: "
+                    "pip install -c constraints-cpu.txt -e '.[lora]')")

@@ -123,9 +123,18 @@ def test_plan_command_prints_sigma_q_steps_and_both_epsilons(capsys, tmp_path):
 
 def test_plan_refuses_what_the_run_would(capsys):
     # an explicit σ over the budget: the message of the run's own refusal, with the steps that fit
+    assert main(["plan", "--dataset-size", "1000", "--batch-size", "10", "--max-steps", "5000",
+                 "--noise-multiplier", "0.8", "--target-epsilon", "1"]) == 1
+    fits = re.search(r"only (\d+) steps fit in the budget.*train at most \1 steps \(Trainer\(max_steps=\1\)\)",
+                     capsys.readouterr().err)
+    assert fits and 0 < int(fits[1]) < 5000
+    # not even one step fits: no "only 0 steps ... at most that many", but what one step costs and what to change
     assert main(["plan", "--dataset-size", "1000", "--batch-size", "100", "--max-steps", "500",
                  "--noise-multiplier", "0.8", "--target-epsilon", "1"]) == 1
-    assert re.search(r"only \d+ steps fit in the budget", capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert "only 0 steps" not in err and "at most" not in err
+    assert re.search(r"no step fits at this σ: a single step already costs ε=2\.\d+\. .*calibrate it.*raise "
+                     r"target_epsilon.*lower the sample rate q", err), err
     assert main(["plan", "--dataset-size", "100", "--batch-size", "64", "--devices", "2", "--epochs", "1",
                  "--target-epsilon", "8"]) == 1
     assert "exceeds the dataset" in capsys.readouterr().err

@@ -167,6 +167,9 @@ def test_the_same_dataset_on_every_rank_is_one_dataset_not_w(monkeypatch, caplog
         data = _ranks_hold(monkeypatch, [TensorDataset(x), TensorDataset(x.clone())])
     assert data.dataset_size == 100 and data.shard_sizes is None  # not 200
     assert "holds the same dataset" in caplog.text and "treated as one global dataset of N = 100" in caplog.text
+    # a record of the package's own logger, printed only where INFO logs were asked for: not Lightning's, whose
+    # console handler prints INFO (the YAML examples' runs, where nothing in it asks anything of the user)
+    assert {r.name for r in caplog.records if "holds the same dataset" in r.getMessage()} == {"lightning_dpzero.shards"}
 
 
 def test_some_ranks_holding_the_same_dataset_is_refused(monkeypatch):
