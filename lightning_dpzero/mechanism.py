@@ -329,7 +329,7 @@ class DPMechanism:
                              torch.tensor(float(self._stop_requested), device=loss.device)])
         if world > 1:  # the one collective of every micro-batch: a stop request rides along (see request_stop)
             flags = sum_over_ranks(self.collectives, flags)
-        bad, stop = (float(v) for v in flags.cpu())
+        bad, stop = flags.tolist()  # one device-to-host read for both
         self.stop_agreed = self.stop_agreed or stop > 0
         if bad == 0:
             return out

@@ -63,18 +63,21 @@ def validate_group_thresholds(thresholds, max_grad_norm: float) -> None:
             f"max_grad_norm={bound:.6g}, or lower the group thresholds.")
 
 
-def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01) -> torch.Tensor:
-    """Per-example coefficients ``c_i`` (shape ``(B,)``, fp32) for norms of shape ``(B,)``.
+def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01,
+                      scale: float = 1.0) -> torch.Tensor:
+    """Per-example coefficients ``scale · c_i`` (shape ``(B,)``, fp32) for norms of shape ``(B,)``.
 
-    With ``max_norm = inf`` and ``"abadi"`` every coefficient is exactly 1 (no clipping).
+    With ``max_norm = inf`` and ``"abadi"`` every coefficient is exactly ``scale`` (no clipping). ``scale``
+    (default 1) rides on the division the coefficients take anyway: the engine hands the per-example factor
+    and the emit scale here rather than multiplying every sum by them.
     """
     norms = norms.float()
     if clipping_fn == "automatic":
-        return max_norm / (norms + gamma)
+        return (max_norm * scale) / (norms + gamma)
     if math.isinf(max_norm):
-        return torch.ones_like(norms)
-    # C / max(‖g_i‖, C) = min(1, C/‖g_i‖): exactly 1 for ‖g_i‖ ≤ C (C/C), never 0/0, three kernels a group
-    return max_norm / norms.clamp(min=max_norm)
+        return torch.full_like(norms, scale)
+    # C / max(‖g_i‖, C) = min(1, C/‖g_i‖): 1 for ‖g_i‖ ≤ C, never 0/0, three kernels a group
+    return (max_norm * scale) / norms.clamp(min=max_norm)
 
 
 def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:
