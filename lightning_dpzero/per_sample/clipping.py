@@ -80,6 +80,19 @@ def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, ga
     return (max_norm * scale) / norms.clamp(min=max_norm)
 
 
+def clip_coefficients_sq(sq: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01,
+                         scale: float = 1.0) -> torch.Tensor:
+    """:func:`clip_coefficients` of the norms ``sqrt(sq)``, from the squared norms ``sq`` (B,): for ``"abadi"``
+    ``scale · C · rsqrt(max(‖g_i‖², C²))``, three kernels and no square root of its own (a group's coefficients
+    are formed at every layer in layer-wise clipping, so their kernels count)."""
+    sq = sq.float()
+    if clipping_fn == "abadi":
+        if math.isinf(max_norm):
+            return torch.full_like(sq, scale)
+        return sq.clamp(min=max_norm * max_norm).rsqrt_().mul_(max_norm * scale)
+    return clip_coefficients(sq.sqrt(), max_norm, clipping_fn, gamma, scale)
+
+
 def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:
     """Even split ``C_k = C / sqrt(K)`` so that ``C_tot = sqrt(Σ C_k²) = C`` (docs/design.md, *The mechanism*)."""
     return max_grad_norm / math.sqrt(max(num_groups, 1))

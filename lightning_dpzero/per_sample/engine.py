@@ -36,7 +36,7 @@ from torch import nn
 
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
-from .clipping import clip_coefficients, form_groups, validate_clipping
+from .clipping import clip_coefficients_sq, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
 from . import sums
@@ -385,7 +385,7 @@ class PerSampleEngine:
         s = self._group_scale.get(k, 1.0)  # the true norms are s·sqrt(sq): the threshold and γ divided by s instead
         self._total_sq.append((sq, s))
         unit = s * self.emit_scale  # the coefficients carry the site's factor and the emit scale (sums.py)
-        coef = clip_coefficients(sq.sqrt(), self.group_thresholds[k] / s, self.clipping_fn, self.gamma / s, unit)
+        coef = clip_coefficients_sq(sq, self.group_thresholds[k] / s, self.clipping_fn, self.gamma / s, unit)
         records = self._records.pop(k)
         if self.phase == "norms":  # the second pass forms the sums (two_pass.py)
             self.pass_coefficients[k] = (coef, unit)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
-from .maths import (batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example,
+from .maths import (batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example, rows_sq,
                     weighted_rows_grad, weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
@@ -76,20 +76,27 @@ class LinearRule(LayerRule):
         w = None
         bias = len(mask) > 1 and mask[1]
         pb = self._bias_rows(module, g) if bias else None
+        bsq = rows_sq(pb) if bias else None
+        # weight and bias in one group (layer-wise, all-layer): their sum answered for the weight, in one op with
+        # the weight's own (addcmul, baddbmm), and nothing for the bias
+        joint = bias and mask[0] and len(site.hook.groups) == 1
         if mask[0]:
             _, T, d, p = self._dims(module, x, g)
             path = weight_path(site, T, d, p, math.prod(param_shape(module.weight)))
             if path == "reuse":  # kept on the site for its clipped sum
                 parts = self._instantiate_parts(module, x, g)
-                w = torch.cat([per_example_sq(part) for part in parts]) if len(parts) > 1 else per_example_sq(parts[0])
+                plus = bsq if joint else None
+                w = (torch.cat([per_example_sq(part) for part in parts]) + (0 if plus is None else plus)
+                     if len(parts) > 1 else per_example_sq(parts[0], plus))
                 site.kept["per_example"] = parts
             else:
                 w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
+                w = w + bsq if joint else w
         if bias:
             # (B, p): kept for the clipped sum, which would otherwise sum the output gradient's rows again, later,
             # when (all-layer clipping) they are no longer in cache
             site.kept["bias_rows"] = pb
-        return [w, pb.pow(2).sum(1) if bias else None]
+        return [w, None if joint else bsq]
 
     def per_example(self, site, mask):
         module, x, g = site.module, site.x, site.g

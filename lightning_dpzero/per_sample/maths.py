@@ -113,11 +113,24 @@ class InputGrams:
         return self._gram
 
 
-def per_example_sq(t: torch.Tensor) -> torch.Tensor:
+def per_example_sq(t: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t`` (nor
-    a contiguous one)."""
+    a contiguous one); with ``plus`` (B,) fp32, ``plus`` + that in the same op (a site's other squared norms)."""
     t = t.float()
-    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).pow(2) if t.dim() > 1 else t.pow(2)
+    if t.dim() <= 1:
+        return t.pow(2) if plus is None else torch.addcmul(plus, t, t)
+    n = torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())))
+    return n.pow(2) if plus is None else torch.addcmul(plus, n, n)
+
+
+def rows_sq(t: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ_j t_ij²`` of each row of a small ``t`` (B, n) (a bias's or a norm layer's per-example gradients), fp32
+    ``(B,)``: one batched dot product (``bmm``), and with ``plus`` (B,) fp32 ``plus`` + that in the same op
+    (``baddbmm``), where squares, a sum and an add would take three kernels."""
+    t = t.float().reshape(t.shape[0], math.prod(t.shape[1:]))  # explicit: B may be 0
+    a, b = t.unsqueeze(1), t.unsqueeze(2)
+    out = torch.bmm(a, b) if plus is None else torch.baddbmm(plus.view(-1, 1, 1), a, b)
+    return out.view(t.shape[0])
 
 
 def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError
-from .maths import param_shape
+from .maths import param_shape, rows_sq
 from .paths import may_keep
 from .registry import register_rule
 
@@ -76,7 +76,9 @@ class _AffineNormRule(LayerRule):
             site.path = "reuse"
         else:
             site.path = "instantiate"
-        return [t.pow(2).sum(1) if m else None for t, m in zip(per, mask)]
+        if len(per) == 2 and all(mask) and len(site.hook.groups) == 1:  # one group: the sum in two ops, for the weight
+            return [rows_sq(per[1], rows_sq(per[0])), None]
+        return [rows_sq(t) if m else None for t, m in zip(per, mask)]
 
     def per_example(self, site, mask):
         per = self._per_example(site)
