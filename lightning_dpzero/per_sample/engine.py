@@ -234,7 +234,7 @@ class PerSampleEngine:
     def _reset_pass(self) -> None:
         self._sites_left: dict[int, int] = {}
         self._param_sites: dict[int, int] = {}
-        self._group_sq: dict[int, torch.Tensor] = {}
+        self._group_sq: dict[int, list[torch.Tensor]] = {}
         self._shared_sum: dict[int, torch.Tensor] = {}
         self._records: dict[int, list] = {}
         self._deferred: list = []
@@ -326,8 +326,8 @@ class PerSampleEngine:
             site.completes = self._completes_at(hook)
             for i, sq in zip(ids, hook.rule.norm_sq(site, plain)):
                 if sq is not None:  # in units of the group's first scale: rescaled only where a site's differs
-                    f = self._unit(self.group_of[i], scale)
-                    self._add(self._group_sq, self.group_of[i], sq if f == 1.0 else sq * (f * f))
+                    f = self._unit(self.group_of[i], scale)  # listed: one stack and sum per group (_complete)
+                    self._group_sq.setdefault(self.group_of[i], []).append(sq if f == 1.0 else sq * (f * f))
         if any(shared):
             for i, pe in zip(ids, hook.rule.per_example(site, shared)):
                 if pe is not None:
@@ -378,7 +378,8 @@ class PerSampleEngine:
     def _complete(self, k: int, hook: Optional[LayerHook]) -> dict[int, torch.Tensor]:
         """Group ``k`` has seen all its sites: coefficients, then its clipped gradients (returned or deferred)."""
         ids = self.group_ids[k]
-        sq = self._group_sq.pop(k, None)
+        parts = self._group_sq.pop(k, [])
+        sq = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0) if parts else None
         for i in ids & self._shared_sum.keys():
             s = self._shared_sum.pop(i).flatten(1).pow(2).sum(1)
             sq = s if sq is None else sq + s

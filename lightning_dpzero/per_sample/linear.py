@@ -54,10 +54,11 @@ class LinearRule(LayerRule):
         keeping them as they are saves copying them into one tensor)."""
         return [self._instantiate(module, x, g)]
 
-    def _weight_norm_sq(self, module, x, g, path, grams=None):
+    def _weight_norm_sq(self, module, x, g, path, grams=None, plus=None):
         """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate;
-        ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram)."""
-        return rows_norm_sq(*self._rows(module, x, g), path, grams)
+        ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram; ``plus`` (B,): added,
+        the bias's)."""
+        return rows_norm_sq(*self._rows(module, x, g), path, grams, plus)
 
     def _weighted_weight(self, module, x, g, coef):
         """``Σ_i coef_i G_i`` in ``g``'s dtype with the weight's shape, without a per-example tensor."""
@@ -90,8 +91,7 @@ class LinearRule(LayerRule):
                      if len(parts) > 1 else per_example_sq(parts[0], plus))
                 site.kept["per_example"] = parts
             else:
-                w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
-                w = w + bsq if joint else w
+                w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams, bsq if joint else None)
         if bias:
             # (B, p): kept for the clipped sum, which would otherwise sum the output gradient's rows again, later,
             # when (all-layer clipping) they are no longer in cache

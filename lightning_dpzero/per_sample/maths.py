@@ -52,20 +52,32 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w.t(), a2.t()).t().contiguous().view(*a.shape[:-1], n)
 
 
-def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str, grams: Optional["InputGrams"] = None) -> torch.Tensor:
+def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str, grams: Optional["InputGrams"] = None,
+                 plus: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-example ‖Σ_t g_t a_tᵀ‖² for ``a`` (B,T,d), ``g`` (B,T,p), returned fp32 ``(B,)``.
 
     ``path`` (from :func:`.paths.choose_path`): ``"ghost"`` uses ``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (Li et al.
     2021), anything else instantiates the ``(B, p, d)`` gradients. With one row (T = 1) the norm is the
     product of the two row norms whatever the path. ``grams``: where given, the ghost norm takes ``a aᵀ`` from
-    it, shared with the layers before it that read the same input rows."""
+    it, shared with the layers before it that read the same input rows. ``plus`` (B,): added to the result
+    (in the same op where the path allows: a site's bias norms)."""
     if a.shape[1] == 1:
-        return a.float().pow(2).sum((1, 2)) * g.float().pow(2).sum((1, 2))
+        out = a.float().pow(2).sum((1, 2)) * g.float().pow(2).sum((1, 2))
+        return out if plus is None else out + plus
     if path == "ghost":
         gf = g.float()
         aa = grams.of(a) if grams is not None else _gram(a)
-        return (aa * torch.bmm(gf, gf.transpose(1, 2))).sum((1, 2))
-    return per_example_sq(rows_per_example(a.float(), g.float()))
+        return rows_dot(aa, torch.bmm(gf, gf.transpose(1, 2)), plus)  # Σ_{t,s}: one batched dot, not mul + sum
+    return per_example_sq(rows_per_example(a.float(), g.float()), plus)
+
+
+def rows_dot(u: torch.Tensor, v: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ_j u_ij v_ij`` per example of ``u``, ``v`` (B, ...) fp32, as ``(B,)``: one ``bmm`` (``plus`` (B,) added in
+    the same op, ``baddbmm``)."""
+    B = u.shape[0]
+    a, b = u.reshape(B, 1, math.prod(u.shape[1:])), v.reshape(B, math.prod(v.shape[1:]), 1)
+    out = torch.bmm(a, b) if plus is None else torch.baddbmm(plus.view(-1, 1, 1), a, b)
+    return out.view(B)
 
 
 def _gram(a: torch.Tensor) -> torch.Tensor:
@@ -127,10 +139,8 @@ def rows_sq(t: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tenso
     """``Σ_j t_ij²`` of each row of a small ``t`` (B, n) (a bias's or a norm layer's per-example gradients), fp32
     ``(B,)``: one batched dot product (``bmm``), and with ``plus`` (B,) fp32 ``plus`` + that in the same op
     (``baddbmm``), where squares, a sum and an add would take three kernels."""
-    t = t.float().reshape(t.shape[0], math.prod(t.shape[1:]))  # explicit: B may be 0
-    a, b = t.unsqueeze(1), t.unsqueeze(2)
-    out = torch.bmm(a, b) if plus is None else torch.baddbmm(plus.view(-1, 1, 1), a, b)
-    return out.view(t.shape[0])
+    t = t.float()
+    return rows_dot(t, t, plus)
 
 
 def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
