@@ -409,8 +409,12 @@ class DPMechanism:
                                "continue with a non-private update.")
         return out
 
-    def take_stats(self) -> StepStats:
-        """This rank's clipping statistics since the last call, and reset them (the callback's metrics)."""
+    def take_stats(self, read: bool = True) -> Optional[StepStats]:
+        """This rank's clipping statistics since the last call, and reset them (the callback's metrics);
+        ``read=False``: reset them unread, ``None`` (they stay on the device until read: a read waits for it)."""
+        if not read:
+            self.engine.reset_stats()
+            return None
         stats = self.engine.stats
         out = StepStats(int(stats["examples"]), int(stats["clipped"]), float(stats["norm_sum"]))
         self.engine.reset_stats()

@@ -125,12 +125,22 @@ class InputGrams:
         return self._gram
 
 
+#: per-example sizes up to which a squared norm is a batched dot (one ``bmm``/``baddbmm``, the other squared norms
+#: of the site added in it) rather than a norm kernel, a square and an add: small layers, whose steps are bound by
+#: the kernels launched, not by their arithmetic; larger ones keep the reduction kernel built for long rows
+DOT_MAX = 1 << 16
+
+
 def per_example_sq(t: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t`` (nor
     a contiguous one); with ``plus`` (B,) fp32, ``plus`` + that in the same op (a site's other squared norms)."""
     t = t.float()
     if t.dim() <= 1:
         return t.pow(2) if plus is None else torch.addcmul(plus, t, t)
+    if t.dim() == 3 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        t = t.transpose(1, 2)  # rows_per_example's transposed view: the same values, contiguous
+    if t.is_contiguous() and math.prod(t.shape[1:]) <= DOT_MAX:
+        return rows_dot(t, t, plus)  # one kernel, the add included
     n = torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())))
     return n.pow(2) if plus is None else torch.addcmul(plus, n, n)
 
