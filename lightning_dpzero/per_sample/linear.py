@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
-from .maths import (batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example, rows_sq,
+from .maths import (add_weighted_rows, batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example, rows_sq,
                     weighted_rows_grad, weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
@@ -121,7 +121,12 @@ class LinearRule(LayerRule):
         return [w, b]
 
     def add_clipped_grads(self, site, coef, mask, into):
+        mask = list(mask)
         if (mask[0] and into[0] is not None and "per_example" not in site.kept
                 and self._add_weighted_weight(site.module, site.x, site.g, coef, into[0])):
-            return [None, *self.clipped_grads(site, coef, [False, *mask[1:]])[1:]]
+            mask[0] = False
+        if len(mask) > 1 and mask[1] and "bias_rows" in site.kept and add_weighted_rows(
+                into[1], site.kept["bias_rows"], coef):  # the bias's sum added in place too: one addmm_
+            del site.kept["bias_rows"]
+            mask[1] = False
         return self.clipped_grads(site, coef, mask)

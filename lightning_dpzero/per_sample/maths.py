@@ -177,6 +177,16 @@ def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     return coef.to(per.dtype).view(1, -1).mm(per.reshape(per.shape[0], math.prod(per.shape[1:]))).view(per.shape[1:])
 
 
+def add_weighted_rows(into: Optional[torch.Tensor], per: torch.Tensor, coef: torch.Tensor) -> bool:
+    """Add ``Σ_i coef_i · per_i`` of small per-example rows ``per`` (B, n) into ``into`` (a parameter's gradient of
+    n values, same dtype, contiguous) in place: one ``addmm_`` where a sum and then an add would take two.
+    ``False`` (nothing done) where ``into`` is ``None`` or of another dtype."""
+    if into is None or into.dtype != per.dtype or not per.is_contiguous():
+        return False
+    into.view(1, -1).addmm_(coef.to(per.dtype).view(1, -1), per.reshape(per.shape[0], -1))
+    return True
+
+
 def weighted_sum_parts(parts: list[torch.Tensor], coef: torch.Tensor) -> torch.Tensor:
     """:func:`weighted_sum` of per-example tensors held as parts along the batch (in order; ``coef`` (B,) for
     all of them), without joining them: one ``(b,)·(b, n)`` product per part, summed."""

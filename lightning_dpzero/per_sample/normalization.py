@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError
-from .maths import param_shape, rows_sq
+from .maths import add_weighted_rows, param_shape, rows_sq
 from .paths import may_keep
 from .registry import register_rule
 
@@ -95,6 +95,19 @@ class _AffineNormRule(LayerRule):
         params = self.params(site.module)
         c = coef.view(1, -1)
         return [c.mm(t).view(param_shape(p)).to(site.dtype) if m else None for t, p, m in zip(per, params, mask)]
+
+
+    def add_clipped_grads(self, site, coef, mask, into):
+        """The ``(B, p)`` per-example gradients' sums added into ``p.grad`` in place (one ``addmm_`` each) where
+        they were kept and the gradient is fp32; the rest through :meth:`clipped_grads`."""
+        per = site.kept.get("per_example")
+        if per is None:
+            return self.clipped_grads(site, coef, mask)
+        rest = [m and not add_weighted_rows(t, rows, coef) for m, t, rows in zip(mask, into, per)]
+        if not any(rest):
+            site.kept.pop("per_example")
+            return [None] * len(mask)
+        return self.clipped_grads(site, coef, rest)
 
 
 def _same_dtype(x, g, params) -> bool:
