@@ -154,3 +154,27 @@ def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_g
                          f"got {list(group_max_grad_norms)}.")
     validate_group_thresholds(group_max_grad_norms, max_grad_norm)
     return members, [float(c) for c in group_max_grad_norms]
+
+
+class ClipStats:
+    """The clipping statistics since the last reset: ``examples``, ``clipped`` (total norm above C: the example's
+    update was scaled down) and ``norm_sum`` (of the total norms). The counts stay on the device, summed there, until
+    :meth:`read`: one device-to-host read when asked, none per backward (a read waits for the device)."""
+
+    def __init__(self) -> None:
+        self._host = {"examples": 0, "clipped": 0, "norm_sum": 0.0}
+        self._pending = None  # (2,) fp64 on the device: Σ clipped, Σ norms
+
+    def add(self, norms: torch.Tensor, max_grad_norm: float) -> None:
+        """One backward's per-example total norms ``(B,)``."""
+        self._host["examples"] += int(norms.numel())
+        both = torch.stack([(norms > max_grad_norm).to(norms.dtype), norms]).sum(1, dtype=torch.float64)
+        self._pending = both if self._pending is None else self._pending.add_(both)
+
+    def read(self) -> dict:
+        if self._pending is not None:
+            clipped, norm_sum = self._pending.tolist()
+            self._pending = None
+            self._host["clipped"] += int(clipped)
+            self._host["norm_sum"] += norm_sum
+        return self._host

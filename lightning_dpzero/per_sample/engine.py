@@ -28,7 +28,6 @@ instantiated at each site and summed, so its norm is exact.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
-from .clipping import clip_coefficients_sq, form_groups, validate_clipping
+from .clipping import ClipStats, clip_coefficients_sq, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
 from . import sums
@@ -418,24 +417,14 @@ class PerSampleEngine:
 
     # ---------------------------------------------------------------- statistics
     def reset_stats(self) -> None:
-        self._stats = {"examples": 0, "clipped": 0, "norm_sum": 0.0}
-        self._stats_pending: Optional[torch.Tensor] = None
+        self._stats = ClipStats()
 
     @property
     def stats(self) -> dict:
-        """``examples``, ``clipped`` (total norm above C) and ``norm_sum`` since :meth:`reset_stats`. The counts
-        stay on the device until read here: one device-to-host read when asked, none per backward."""
-        if self._stats_pending is not None:
-            clipped, norm_sum = self._stats_pending.tolist()
-            self._stats_pending = None
-            self._stats["clipped"] += int(clipped)
-            self._stats["norm_sum"] += norm_sum
-        return self._stats
+        """``examples``, ``clipped`` (total norm above C) and ``norm_sum`` since :meth:`reset_stats` (read from the
+        device when asked: none per backward)."""
+        return self._stats.read()
 
     def _update_stats(self, norms: torch.Tensor) -> None:
-        # "clipped": the example's total norm exceeded C (its update was scaled down).
-        n = norms.detach()
-        self.last_norms = n  # the last backward's per-example total norms, (B,) fp32 (diagnostics.py)
-        self._stats["examples"] += int(n.numel())
-        both = torch.stack([(n > self.max_grad_norm).to(n.dtype), n]).sum(1, dtype=torch.float64)
-        self._stats_pending = both if self._stats_pending is None else self._stats_pending.add_(both)
+        self.last_norms = norms.detach()  # the last backward's per-example total norms, (B,) fp32 (diagnostics.py)
+        self._stats.add(self.last_norms, self.max_grad_norm)
