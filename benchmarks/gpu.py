@@ -17,12 +17,21 @@ Configurations (one process launch each, ``benchmarks.step_time`` workers):
   under torch.profiler, host and GPU: each step's host time against the GPU's busy time and kernel count,
   and the engine's labels (``res["profiles"]``; the page's *Where the step's time goes*).
 
+With ``--full``, the full-size configurations instead (each DP case against the non-DP run of the same
+model, precision and ZeRO stage, launched the same way; ``cuda_peak``: each run's peak GPU memory), bf16-mixed
+ZeRO-3, micro-batch 8, T 1024: GPT-2 small (12 blocks, d 768, 12 heads, vocabulary 50257) non-DP, layer-wise
+and all-layer; a Llama-style 1B (22 blocks, d 2048, 32 query and 4 key/value heads, SwiGLU 5632, RMSNorm,
+vocabulary 32000, learned positions) with every parameter trained, the same three; and that model with LoRA
+(rank 8 on q and v) non-DP and layer-wise. Sized for a 10-minute device call (``--budget-s`` 480,
+``--timeout`` 240 per configuration); ``--full --smoke`` runs the same families at tiny sizes on the CPU.
+
 Writes ``$OUT/step_time_gpu.json`` (or ``--out``) and prints the table last.
 
 Usage::
 
     bash benchmarks/gpu.sh               # on the GPU machine
     bash benchmarks/gpu.sh --smoke       # on the CPU: tiny model, same code paths, a few minutes
+    bash benchmarks/gpu.sh --full        # the full-size configurations (GPT-2 small, Llama-style 1B)
 """
 
 from __future__ import annotations
@@ -49,9 +58,37 @@ PROFILE = r"^gpt/zero3/(nondp|layer|all)$"
 FP16 = ("gpt/zero3/nondp", "gpt/zero3/layer", "gpt/zero3/all")
 
 
+#: the full-size models of ``--full`` (``benchmarks.models.GPT`` keyword arguments) and their tiny ``--smoke`` forms
+FULL_MODELS = {"gpt-gpt2-small": dict(vocab=50257, d_model=768, heads=12, layers=12, seq=1024),
+               "gpt-llama-1b": dict(vocab=32000, d_model=2048, heads=32, kv_heads=4, layers=22, seq=1024,
+                                    llama=True, ffn=5632)}
+FULL_SMOKE = {"gpt-gpt2-small": dict(vocab=64, d_model=48, heads=4, layers=2, seq=16),
+              "gpt-llama-1b": dict(vocab=64, d_model=64, heads=8, kv_heads=2, layers=2, seq=16, llama=True, ffn=96)}
+
+
+def full_cases(args) -> tuple[list[dict], dict]:
+    """``--full``'s configurations (see the module docstring) and each model's keyword arguments."""
+    smoke = args.smoke
+    sizes = FULL_SMOKE if smoke else FULL_MODELS
+    models = dict(sizes, **{"gpt-llama-1b-lora": dict(sizes["gpt-llama-1b"], lora_rank=8)})
+    common = dict(stage=3, world=1, batch=4 if smoke else 8, warmup=1 if smoke else args.warmup,
+                  steps=2 if smoke else args.steps, precision="32-true" if smoke else "bf16-mixed",
+                  accelerator="cpu" if smoke else "gpu")
+    cases = []
+    for model, kw in models.items():
+        group = f"{model}/zero3"
+        methods = ("nondp", "layer") if kw.get("lora_rank") else ("nondp", "layer", "all")
+        for method in methods:
+            cases.append(step_time.lightning_case(group, method, model=model, model_kw=kw, **common,
+                                                  **step_time.METHODS[method]))
+    return cases, models
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: proves the script end to end")
+    ap.add_argument("--full", action="store_true",
+                    help="the full-size configurations: GPT-2 small, a Llama-style 1B full and LoRA (bf16-mixed, ZeRO-3)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="start no configuration after this")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/step_time_gpu.json)")
     ap.add_argument("--d-model", type=int, default=768)
@@ -85,7 +122,14 @@ def main(argv=None) -> dict:
         args.profile = args.profile and r"^gpt/zero3/(nondp|all)$"
     sargs = step_time.parse_args(st_argv)
     cases = step_time.build_cases(sargs)
-    if not args.smoke:  # DeepSpeed's fp16 (loss-scaled) on ZeRO-3 beside the bf16 cases; its CPU build refuses fp16
+    full_kw = None
+    if args.full:  # the full-size configurations only: no fp16, no one-process methods, no profile
+        cases, full_kw = full_cases(args)
+        args.profile = ""
+        if not args.smoke:  # the defaults of --full (given values are kept)
+            args.budget_s = 480.0 if args.budget_s == 360.0 else args.budget_s
+            args.timeout = 240.0 if args.timeout == 120.0 else args.timeout
+    elif not args.smoke:  # DeepSpeed's fp16 (loss-scaled) on ZeRO-3 beside the bf16 cases; its CPU build refuses fp16
         fp16 = step_time.build_cases(step_time.parse_args(st_argv + ["--precision", "16-mixed", "--lora-rank", "0"]))
         cases += [dict(c, name=c["name"].replace("gpt/zero3/", "gpt/zero3-fp16/"), group="gpt/zero3-fp16",
                        baseline="gpt/zero3-fp16/nondp") for c in fp16 if c["name"] in FP16]
@@ -107,7 +151,7 @@ def main(argv=None) -> dict:
             names.add(c["name"])
     # the workers' logs stay on the machine (a failed configuration's tail is in the JSON): $OUT brings back few files
     logdir = Path(tempfile.mkdtemp(prefix="dpzero-gpu-logs-"))
-    facts = {m: step_time.model_facts(m, step_time.model_kwargs(m, sargs), 1)
+    facts = {m: step_time.model_facts(m, full_kw[m] if full_kw else step_time.model_kwargs(m, sargs), 1)
              for m in dict.fromkeys(c["model"] for c in ordered)}
     res = {"args": vars(sargs), "gpu_args": vars(args), "sigma": step_time.SIGMA, "C": step_time.CLIP,
            "machine_before": machine_info(), "facts": facts, "results": [], "skipped": []}

@@ -7,6 +7,10 @@
 #
 #   bash benchmarks/gpu.sh            # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --smoke    # on a CPU: tiny sizes, same code paths, a few minutes (proves it works)
+#   bash benchmarks/gpu.sh --full     # the full-size run (GPT-2 small; Llama-style 1B with GQA, full and LoRA;
+#                                     # bf16-mixed ZeRO-3, micro-batch 8, T 1024; no CUDA tests first). Over one
+#                                     # 10-minute call: split it, --full --only gpt2 then --full --only llama
+#   bash benchmarks/gpu.sh --full --smoke   # the same families at tiny sizes on a CPU
 #   bash benchmarks/gpu.sh --prepare-wheels   # HERE (network), once: wheels the GPU image lacks -> .whl/
 #
 # The GPU image has torch, lightning and matplotlib but not DeepSpeed, dp-accounting or Opacus. Prepare
@@ -47,7 +51,7 @@ for m in ("torch", "lightning", "deepspeed", "dp_accounting", "opacus", "matplot
 import torch
 print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PY
-if [[ "${1:-}" != "--smoke" ]]; then
+if [[ "${1:-}" != "--smoke" && "${1:-}" != "--full" ]]; then
   # first the CUDA code path against the per-example oracle (fp32, bf16-mixed and fp16 on ZeRO 0/2/3, noise drawn
   # on the GPU): a failure is reported and the benchmark still runs. Its log and JUnit report go under $OUT.
   timeout "${CUDA_TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \

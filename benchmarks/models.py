@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GPT_DEFAULTS = dict(vocab=256, d_model=256, heads=4, layers=4, seq=128, lora_rank=0)
+GPT_DEFAULTS = dict(vocab=256, d_model=256, heads=4, layers=4, seq=128, lora_rank=0, kv_heads=0, llama=False, ffn=0)
 CNN_DEFAULTS = dict(channels=32, image=32, classes=10)
 
 
@@ -44,30 +44,43 @@ class LoRALinear(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm decoder block: causal self-attention (q/k/v/o Linears) and a 4× GELU MLP."""
+    """Pre-LayerNorm decoder block: causal self-attention (q/k/v/o Linears) and a 4× GELU MLP.
 
-    def __init__(self, d: int, heads: int):
+    ``llama=True``: the Llama layout instead: RMSNorm, Linears without bias, a SwiGLU MLP of width ``ffn``
+    (``fc2(silu(gate(x)) · fc1(x))``); ``kv_heads`` < ``heads``: grouped-query attention (k and v project to
+    ``kv_heads`` heads, each shared by ``heads / kv_heads`` query heads)."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int = 0, llama: bool = False, ffn: int = 0):
         super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        kv, bias, f = self.kv_heads * (d // heads), not llama, ffn or 4 * d
+        norm = nn.RMSNorm if llama else nn.LayerNorm
+        self.ln1 = norm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, n, bias=bias) for n in (d, kv, kv, d))
+        self.ln2 = norm(d)
+        self.gate = nn.Linear(d, f, bias=False) if llama else None
+        self.fc1 = nn.Linear(d, f, bias=bias)
+        self.fc2 = nn.Linear(f, d, bias=bias)
 
     def attention(self, x):
         B, T, d = x.shape
         h = self.heads
 
-        def split(t):
-            return t.view(B, T, h, d // h).transpose(1, 2)
+        def split(t, n):
+            return t.view(B, T, n, d // h).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        k, v = split(self.k(x), self.kv_heads), split(self.v(x), self.kv_heads)
+        if self.kv_heads != h:  # each k/v head serves h / kv_heads query heads
+            k, v = (t.repeat_interleave(h // self.kv_heads, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(split(self.q(x), h), k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, d))
 
     def forward(self, x):
         x = x + self.attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        h = self.ln2(x)
+        if self.gate is not None:
+            return x + self.fc2(F.silu(self.gate(h)) * self.fc1(h))
+        return x + self.fc2(F.gelu(self.fc1(h)))
 
 
 class GPT(nn.Module):
@@ -78,14 +91,15 @@ class GPT(nn.Module):
     non-contiguous ``expand`` view).
     """
 
-    def __init__(self, vocab=256, d_model=256, heads=4, layers=4, seq=128, lora_rank=0):
+    def __init__(self, vocab=256, d_model=256, heads=4, layers=4, seq=128, lora_rank=0, kv_heads=0, llama=False,
+                 ffn=0):
         super().__init__()
         self.vocab, self.seq = vocab, seq
         self.tok = nn.Embedding(vocab, d_model)
-        self.pos = nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab)
+        self.pos = nn.Embedding(seq, d_model)  # learned positions also for llama=True (RoPE has no parameter)
+        self.blocks = nn.ModuleList(Block(d_model, heads, kv_heads, llama, ffn) for _ in range(layers))
+        self.ln_f = nn.RMSNorm(d_model) if llama else nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=not llama)
         if lora_rank:
             apply_lora(self, lora_rank)
 

@@ -265,11 +265,11 @@ class PrivacyAccountantCallback(Callback):
         if trainer.sanity_checking or ledger is None or ledger.steps == self._logged_steps:
             return
         self._logged_steps = ledger.steps
-        stats = self._mechanism.take_stats()
         logs = self._logs_this_step(trainer)
-        if not logs and self._next_step_allowed:
-            # nothing to log, and the budget was agreed to allow the next step: no ε, no collective (a step of a
-            # small model is otherwise slowed by both)
+        # nothing to log, and the budget was agreed to allow the next step: no ε, no collective, and the statistics
+        # dropped unread (a step of a small model is otherwise slowed by all three: the read waits for the device)
+        stats = self._mechanism.take_stats(read=bool(logs or not self._next_step_allowed))
+        if stats is None:
             return
         # ε (the tracker's bound; with a budget, never above the target while within it) is computed on rank 0
         # only and reaches the other ranks through the statistics' all-reduce (0 elsewhere: the sum is rank 0's)

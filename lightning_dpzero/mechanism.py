@@ -329,7 +329,7 @@ class DPMechanism:
                              torch.tensor(float(self._stop_requested), device=loss.device)])
         if world > 1:  # the one collective of every micro-batch: a stop request rides along (see request_stop)
             flags = sum_over_ranks(self.collectives, flags)
-        bad, stop = (float(v) for v in flags.cpu())
+        bad, stop = flags.tolist()  # one device-to-host read for both
         self.stop_agreed = self.stop_agreed or stop > 0
         if bad == 0:
             return out
@@ -409,8 +409,12 @@ class DPMechanism:
                                "continue with a non-private update.")
         return out
 
-    def take_stats(self) -> StepStats:
-        """This rank's clipping statistics since the last call, and reset them (the callback's metrics)."""
+    def take_stats(self, read: bool = True) -> Optional[StepStats]:
+        """This rank's clipping statistics since the last call, and reset them (the callback's metrics);
+        ``read=False``: reset them unread, ``None`` (they stay on the device until read: a read waits for it)."""
+        if not read:
+            self.engine.reset_stats()
+            return None
         stats = self.engine.stats
         out = StepStats(int(stats["examples"]), int(stats["clipped"]), float(stats["norm_sum"]))
         self.engine.reset_stats()

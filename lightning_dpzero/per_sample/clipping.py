@@ -63,18 +63,34 @@ def validate_group_thresholds(thresholds, max_grad_norm: float) -> None:
             f"max_grad_norm={bound:.6g}, or lower the group thresholds.")
 
 
-def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01) -> torch.Tensor:
-    """Per-example coefficients ``c_i`` (shape ``(B,)``, fp32) for norms of shape ``(B,)``.
+def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01,
+                      scale: float = 1.0) -> torch.Tensor:
+    """Per-example coefficients ``scale · c_i`` (shape ``(B,)``, fp32) for norms of shape ``(B,)``.
 
-    With ``max_norm = inf`` and ``"abadi"`` every coefficient is exactly 1 (no clipping).
+    With ``max_norm = inf`` and ``"abadi"`` every coefficient is exactly ``scale`` (no clipping). ``scale``
+    (default 1) rides on the division the coefficients take anyway: the engine hands the per-example factor
+    and the emit scale here rather than multiplying every sum by them.
     """
     norms = norms.float()
     if clipping_fn == "automatic":
-        return max_norm / (norms + gamma)
+        return (max_norm * scale) / (norms + gamma)
     if math.isinf(max_norm):
-        return torch.ones_like(norms)
-    # C / max(‖g_i‖, C) = min(1, C/‖g_i‖): exactly 1 for ‖g_i‖ ≤ C (C/C), never 0/0, three kernels a group
-    return max_norm / norms.clamp(min=max_norm)
+        return torch.full_like(norms, scale)
+    # C / max(‖g_i‖, C) = min(1, C/‖g_i‖): 1 for ‖g_i‖ ≤ C, never 0/0, three kernels a group
+    return (max_norm * scale) / norms.clamp(min=max_norm)
+
+
+def clip_coefficients_sq(sq: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01,
+                         scale: float = 1.0) -> torch.Tensor:
+    """:func:`clip_coefficients` of the norms ``sqrt(sq)``, from the squared norms ``sq`` (B,): for ``"abadi"``
+    ``scale · C · rsqrt(max(‖g_i‖², C²))``, three kernels and no square root of its own (a group's coefficients
+    are formed at every layer in layer-wise clipping, so their kernels count)."""
+    sq = sq.float()
+    if clipping_fn == "abadi":
+        if math.isinf(max_norm):
+            return torch.full_like(sq, scale)
+        return sq.clamp(min=max_norm * max_norm).rsqrt_().mul_(max_norm * scale)
+    return clip_coefficients(sq.sqrt(), max_norm, clipping_fn, gamma, scale)
 
 
 def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:
@@ -138,3 +154,27 @@ def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_g
                          f"got {list(group_max_grad_norms)}.")
     validate_group_thresholds(group_max_grad_norms, max_grad_norm)
     return members, [float(c) for c in group_max_grad_norms]
+
+
+class ClipStats:
+    """The clipping statistics since the last reset: ``examples``, ``clipped`` (total norm above C: the example's
+    update was scaled down) and ``norm_sum`` (of the total norms). The counts stay on the device, summed there, until
+    :meth:`read`: one device-to-host read when asked, none per backward (a read waits for the device)."""
+
+    def __init__(self) -> None:
+        self._host = {"examples": 0, "clipped": 0, "norm_sum": 0.0}
+        self._pending = None  # (2,) fp64 on the device: Σ clipped, Σ norms
+
+    def add(self, norms: torch.Tensor, max_grad_norm: float) -> None:
+        """One backward's per-example total norms ``(B,)``."""
+        self._host["examples"] += int(norms.numel())
+        both = torch.stack([(norms > max_grad_norm).to(norms.dtype), norms]).sum(1, dtype=torch.float64)
+        self._pending = both if self._pending is None else self._pending.add_(both)
+
+    def read(self) -> dict:
+        if self._pending is not None:
+            clipped, norm_sum = self._pending.tolist()
+            self._pending = None
+            self._host["clipped"] += int(clipped)
+            self._host["norm_sum"] += norm_sum
+        return self._host

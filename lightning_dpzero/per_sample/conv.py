@@ -247,12 +247,14 @@ class ConvRule(LinearRule):
                          gf.reshape(1, B * gf.shape[1], *gf.shape[2:]), padding, B * module.groups)
         return w.view(B, *shape)
 
-    def _weight_norm_sq(self, module, x, g, path, grams=None):  # unfolded rows are never shared
-        """The norms alone, a part of the batch at a time (:meth:`_parts`)."""
+    def _weight_norm_sq(self, module, x, g, path, grams=None, plus=None):  # unfolded rows are never shared
+        """The norms alone, a part of the batch at a time (:meth:`_parts`); ``plus`` (B,) added (the bias's)."""
         parts = self._parts(module, x, g, path)
         if len(parts) == 1:
-            return self._norm_sq_of(module, x, g, path)
-        return torch.cat([self._norm_sq_of(module, x[s], g[s], path) for s in parts])
+            out = self._norm_sq_of(module, x, g, path)
+        else:
+            out = torch.cat([self._norm_sq_of(module, x[s], g[s], path) for s in parts])
+        return out if plus is None else out + plus
 
     def _norm_sq_of(self, module, x, g, path):
         B, T = x.shape[0], math.prod(g.shape[2:])

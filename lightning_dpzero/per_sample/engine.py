@@ -28,7 +28,6 @@ instantiated at each site and summed, so its norm is exact.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
-from .clipping import clip_coefficients, form_groups, validate_clipping
+from .clipping import ClipStats, clip_coefficients_sq, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
 from . import sums
@@ -234,13 +233,14 @@ class PerSampleEngine:
     def _reset_pass(self) -> None:
         self._sites_left: dict[int, int] = {}
         self._param_sites: dict[int, int] = {}
-        self._group_sq: dict[int, torch.Tensor] = {}
+        self._group_sq: dict[int, list[torch.Tensor]] = {}
         self._shared_sum: dict[int, torch.Tensor] = {}
         self._records: dict[int, list] = {}
         self._deferred: list = []
         self._emitted: dict[int, torch.Tensor] = {}  # per parameter: Σ of what its sites returned (the guard)
         self._paths: dict[str, str] = {}  # per layer: the path of its weight gradient (``last_paths``)
-        self._total_sq: Optional[torch.Tensor] = None
+        self._group_scale: dict[int, float] = {}  # per group: the per-example factor its sums are taken in
+        self._total_sq: list[tuple[torch.Tensor, float]] = []  # per completed group: (Σ sq unscaled, its factor)
         self._pending = False
         self.input_grams = InputGrams()  # the ghost norms' input Gram shared by layers reading one input (maths.py)
         self.input_readers = InputReaders()  # how many layers read each input: what a site may keep (paths.py)
@@ -324,12 +324,14 @@ class PerSampleEngine:
             # the clipped sum follows at this site: the rule may reuse what its norm instantiated
             site.completes = self._completes_at(hook)
             for i, sq in zip(ids, hook.rule.norm_sq(site, plain)):
-                if sq is not None:
-                    self._add(self._group_sq, self.group_of[i], sq * (scale * scale))
+                if sq is not None:  # in units of the group's first scale: rescaled only where a site's differs
+                    f = self._unit(self.group_of[i], scale)  # listed: one stack and sum per group (_complete)
+                    self._group_sq.setdefault(self.group_of[i], []).append(sq if f == 1.0 else sq * (f * f))
         if any(shared):
             for i, pe in zip(ids, hook.rule.per_example(site, shared)):
                 if pe is not None:
-                    self._add(self._shared_sum, i, pe * scale)
+                    f = self._unit(self.group_of[i], scale)
+                    self._add(self._shared_sum, i, pe if f == 1.0 else pe * f)
         if site.path is not None:
             self._paths[hook.name] = site.path
         if len(hook.groups) == 1 and not any(shared) and hook.rule.releases_rows(site):
@@ -362,6 +364,12 @@ class PerSampleEngine:
         so ``clipped_grads`` for this site runs right after ``norm_sq`` (see ``_complete``)."""
         return self.phase is None and all(self._sites_left.get(k) == 1 and self._returns(k, hook) for k in hook.groups)
 
+    def _unit(self, k: int, scale: float) -> float:
+        """A site's per-example factor over its group's (the first its group saw): the norms are summed unscaled
+        and the factor applied once, in the coefficients (one op per group, not one per parameter)."""
+        s = self._group_scale.setdefault(k, scale or 1.0)  # 0: an empty micro-batch's (B = 0)
+        return 1.0 if scale == s else scale / s
+
     @staticmethod
     def _add(store: dict, key: int, value: torch.Tensor) -> None:
         store[key] = value if key not in store else store[key] + value
@@ -369,20 +377,22 @@ class PerSampleEngine:
     def _complete(self, k: int, hook: Optional[LayerHook]) -> dict[int, torch.Tensor]:
         """Group ``k`` has seen all its sites: coefficients, then its clipped gradients (returned or deferred)."""
         ids = self.group_ids[k]
-        sq = self._group_sq.pop(k, None)
+        parts = self._group_sq.pop(k, [])
+        sq = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0) if parts else None
         for i in ids & self._shared_sum.keys():
             s = self._shared_sum.pop(i).flatten(1).pow(2).sum(1)
             sq = s if sq is None else sq + s
-        norms = sq.sqrt()
-        self._total_sq = sq if self._total_sq is None else self._total_sq + sq
-        coef = clip_coefficients(norms, self.group_thresholds[k], self.clipping_fn, self.gamma)
+        s = self._group_scale.get(k, 1.0)  # the true norms are s·sqrt(sq): the threshold and γ divided by s instead
+        self._total_sq.append((sq, s))
+        unit = s * self.emit_scale  # the coefficients carry the site's factor and the emit scale (sums.py)
+        coef = clip_coefficients_sq(sq, self.group_thresholds[k] / s, self.clipping_fn, self.gamma / s, unit)
         records = self._records.pop(k)
         if self.phase == "norms":  # the second pass forms the sums (two_pass.py)
-            self.pass_coefficients[k] = coef
+            self.pass_coefficients[k] = (coef, unit)
             return {}
         if hook is not None and self._returns(k, hook):
-            return sums.clipped(self, ids, coef, records)
-        self._deferred.append((ids, coef, records))
+            return sums.clipped(self, ids, coef, records, unit)
+        self._deferred.append((ids, coef, records, unit))
         return {}
 
     def finalize(self) -> None:
@@ -397,23 +407,24 @@ class PerSampleEngine:
             self._complete(k, None)
         by_id = {id(p): p for grp in self.groups for p in grp} if self._deferred else {}
         deferred, self._deferred = self._deferred, []
-        for ids, coef, records in deferred:
-            sums.write_clipped(self, ids, coef, records, by_id)
-        total, paths = self._total_sq, self._paths
+        for ids, coef, records, unit in deferred:
+            sums.write_clipped(self, ids, coef, records, by_id, unit)
+        parts, paths = self._total_sq, self._paths
         self._reset_pass()
-        if total is not None:  # a backward ran (``micro_batch`` calls this again after the queued call)
+        if parts:  # a backward ran (``micro_batch`` calls this again after the queued call)
             self.last_paths = paths
-            self._update_stats(total.sqrt())
+            self._update_stats(sums.total_norms(parts))
 
     # ---------------------------------------------------------------- statistics
     def reset_stats(self) -> None:
-        self.stats = {"examples": 0, "clipped": 0, "norm_sum": 0.0}
+        self._stats = ClipStats()
+
+    @property
+    def stats(self) -> dict:
+        """``examples``, ``clipped`` (total norm above C) and ``norm_sum`` since :meth:`reset_stats` (read from the
+        device when asked: none per backward)."""
+        return self._stats.read()
 
     def _update_stats(self, norms: torch.Tensor) -> None:
-        # "clipped": the example's total norm exceeded C (its update was scaled down).
-        n = norms.detach()
-        self.last_norms = n  # the last backward's per-example total norms, (B,) fp32 (diagnostics.py)
-        self.stats["examples"] += int(n.numel())
-        if not math.isinf(self.max_grad_norm):
-            self.stats["clipped"] += int((n > self.max_grad_norm).sum())
-        self.stats["norm_sum"] += float(n.sum())
+        self.last_norms = norms.detach()  # the last backward's per-example total norms, (B,) fp32 (diagnostics.py)
+        self._stats.add(self.last_norms, self.max_grad_norm)

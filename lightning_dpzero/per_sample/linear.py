@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
-from .maths import (batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example,
+from .maths import (add_weighted_rows, batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example, rows_sq,
                     weighted_rows_grad, weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
@@ -54,10 +54,11 @@ class LinearRule(LayerRule):
         keeping them as they are saves copying them into one tensor)."""
         return [self._instantiate(module, x, g)]
 
-    def _weight_norm_sq(self, module, x, g, path, grams=None):
+    def _weight_norm_sq(self, module, x, g, path, grams=None, plus=None):
         """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate;
-        ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram)."""
-        return rows_norm_sq(*self._rows(module, x, g), path, grams)
+        ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram; ``plus`` (B,): added,
+        the bias's)."""
+        return rows_norm_sq(*self._rows(module, x, g), path, grams, plus)
 
     def _weighted_weight(self, module, x, g, coef):
         """``Σ_i coef_i G_i`` in ``g``'s dtype with the weight's shape, without a per-example tensor."""
@@ -76,20 +77,26 @@ class LinearRule(LayerRule):
         w = None
         bias = len(mask) > 1 and mask[1]
         pb = self._bias_rows(module, g) if bias else None
+        bsq = rows_sq(pb) if bias else None
+        # weight and bias in one group (layer-wise, all-layer): their sum answered for the weight, in one op with
+        # the weight's own (addcmul, baddbmm), and nothing for the bias
+        joint = bias and mask[0] and len(site.hook.groups) == 1
         if mask[0]:
             _, T, d, p = self._dims(module, x, g)
             path = weight_path(site, T, d, p, math.prod(param_shape(module.weight)))
             if path == "reuse":  # kept on the site for its clipped sum
                 parts = self._instantiate_parts(module, x, g)
-                w = torch.cat([per_example_sq(part) for part in parts]) if len(parts) > 1 else per_example_sq(parts[0])
+                plus = bsq if joint else None
+                w = (torch.cat([per_example_sq(part) for part in parts]) + (0 if plus is None else plus)
+                     if len(parts) > 1 else per_example_sq(parts[0], plus))
                 site.kept["per_example"] = parts
             else:
-                w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams)
+                w = self._weight_norm_sq(module, x, g, path, site.hook.engine.input_grams, bsq if joint else None)
         if bias:
             # (B, p): kept for the clipped sum, which would otherwise sum the output gradient's rows again, later,
             # when (all-layer clipping) they are no longer in cache
             site.kept["bias_rows"] = pb
-        return [w, pb.pow(2).sum(1) if bias else None]
+        return [w, None if joint else bsq]
 
     def per_example(self, site, mask):
         module, x, g = site.module, site.x, site.g
@@ -114,7 +121,12 @@ class LinearRule(LayerRule):
         return [w, b]
 
     def add_clipped_grads(self, site, coef, mask, into):
+        mask = list(mask)
         if (mask[0] and into[0] is not None and "per_example" not in site.kept
                 and self._add_weighted_weight(site.module, site.x, site.g, coef, into[0])):
-            return [None, *self.clipped_grads(site, coef, [False, *mask[1:]])[1:]]
+            mask[0] = False
+        if len(mask) > 1 and mask[1] and "bias_rows" in site.kept and add_weighted_rows(
+                into[1], site.kept["bias_rows"], coef):  # the bias's sum added in place too: one addmm_
+            del site.kept["bias_rows"]
+            mask[1] = False
         return self.clipped_grads(site, coef, mask)

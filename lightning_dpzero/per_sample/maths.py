@@ -52,20 +52,32 @@ def rows_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w.t(), a2.t()).t().contiguous().view(*a.shape[:-1], n)
 
 
-def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str, grams: Optional["InputGrams"] = None) -> torch.Tensor:
+def rows_norm_sq(a: torch.Tensor, g: torch.Tensor, path: str, grams: Optional["InputGrams"] = None,
+                 plus: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-example ‖Σ_t g_t a_tᵀ‖² for ``a`` (B,T,d), ``g`` (B,T,p), returned fp32 ``(B,)``.
 
     ``path`` (from :func:`.paths.choose_path`): ``"ghost"`` uses ``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` (Li et al.
     2021), anything else instantiates the ``(B, p, d)`` gradients. With one row (T = 1) the norm is the
     product of the two row norms whatever the path. ``grams``: where given, the ghost norm takes ``a aᵀ`` from
-    it, shared with the layers before it that read the same input rows."""
+    it, shared with the layers before it that read the same input rows. ``plus`` (B,): added to the result
+    (in the same op where the path allows: a site's bias norms)."""
     if a.shape[1] == 1:
-        return a.float().pow(2).sum((1, 2)) * g.float().pow(2).sum((1, 2))
+        out = a.float().pow(2).sum((1, 2)) * g.float().pow(2).sum((1, 2))
+        return out if plus is None else out + plus
     if path == "ghost":
         gf = g.float()
         aa = grams.of(a) if grams is not None else _gram(a)
-        return (aa * torch.bmm(gf, gf.transpose(1, 2))).sum((1, 2))
-    return per_example_sq(rows_per_example(a.float(), g.float()))
+        return rows_dot(aa, torch.bmm(gf, gf.transpose(1, 2)), plus)  # Σ_{t,s}: one batched dot, not mul + sum
+    return per_example_sq(rows_per_example(a.float(), g.float()), plus)
+
+
+def rows_dot(u: torch.Tensor, v: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ_j u_ij v_ij`` per example of ``u``, ``v`` (B, ...) fp32, as ``(B,)``: one ``bmm`` (``plus`` (B,) added in
+    the same op, ``baddbmm``)."""
+    B = u.shape[0]
+    a, b = u.reshape(B, 1, math.prod(u.shape[1:])), v.reshape(B, math.prod(v.shape[1:]), 1)
+    out = torch.bmm(a, b) if plus is None else torch.baddbmm(plus.view(-1, 1, 1), a, b)
+    return out.view(B)
 
 
 def _gram(a: torch.Tensor) -> torch.Tensor:
@@ -113,11 +125,32 @@ class InputGrams:
         return self._gram
 
 
-def per_example_sq(t: torch.Tensor) -> torch.Tensor:
+#: per-example sizes up to which a squared norm is a batched dot (one ``bmm``/``baddbmm``, the other squared norms
+#: of the site added in it) rather than a norm kernel, a square and an add: small layers, whose steps are bound by
+#: the kernels launched, not by their arithmetic; larger ones keep the reduction kernel built for long rows
+DOT_MAX = 1 << 16
+
+
+def per_example_sq(t: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Squared norm of each example's slice of ``t`` (B, ...), fp32 ``(B,)``, without a squared copy of ``t`` (nor
-    a contiguous one)."""
+    a contiguous one); with ``plus`` (B,) fp32, ``plus`` + that in the same op (a site's other squared norms)."""
     t = t.float()
-    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).pow(2) if t.dim() > 1 else t.pow(2)
+    if t.dim() <= 1:
+        return t.pow(2) if plus is None else torch.addcmul(plus, t, t)
+    if t.dim() == 3 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        t = t.transpose(1, 2)  # rows_per_example's transposed view: the same values, contiguous
+    if t.is_contiguous() and math.prod(t.shape[1:]) <= DOT_MAX:
+        return rows_dot(t, t, plus)  # one kernel, the add included
+    n = torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())))
+    return n.pow(2) if plus is None else torch.addcmul(plus, n, n)
+
+
+def rows_sq(t: torch.Tensor, plus: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Σ_j t_ij²`` of each row of a small ``t`` (B, n) (a bias's or a norm layer's per-example gradients), fp32
+    ``(B,)``: one batched dot product (``bmm``), and with ``plus`` (B,) fp32 ``plus`` + that in the same op
+    (``baddbmm``), where squares, a sum and an add would take three kernels."""
+    t = t.float()
+    return rows_dot(t, t, plus)
 
 
 def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
@@ -142,6 +175,16 @@ def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         return weighted_sum(per.transpose(1, 2), coef).t()
     # (B, n) explicitly, not flatten(1): a scalar parameter's per-example gradients are (B,), and B may be 0
     return coef.to(per.dtype).view(1, -1).mm(per.reshape(per.shape[0], math.prod(per.shape[1:]))).view(per.shape[1:])
+
+
+def add_weighted_rows(into: Optional[torch.Tensor], per: torch.Tensor, coef: torch.Tensor) -> bool:
+    """Add ``Σ_i coef_i · per_i`` of small per-example rows ``per`` (B, n) into ``into`` (a parameter's gradient of
+    n values, same dtype, contiguous) in place: one ``addmm_`` where a sum and then an add would take two.
+    ``False`` (nothing done) where ``into`` is ``None`` or of another dtype."""
+    if into is None or into.dtype != per.dtype or not per.is_contiguous():
+        return False
+    into.view(1, -1).addmm_(coef.to(per.dtype).view(1, -1), per.reshape(per.shape[0], -1))
+    return True
 
 
 def weighted_sum_parts(parts: list[torch.Tensor], coef: torch.Tensor) -> torch.Tensor:

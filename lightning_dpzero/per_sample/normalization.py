@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError
-from .maths import param_shape
+from .maths import add_weighted_rows, param_shape, rows_sq
 from .paths import may_keep
 from .registry import register_rule
 
@@ -76,7 +76,9 @@ class _AffineNormRule(LayerRule):
             site.path = "reuse"
         else:
             site.path = "instantiate"
-        return [t.pow(2).sum(1) if m else None for t, m in zip(per, mask)]
+        if len(per) == 2 and all(mask) and len(site.hook.groups) == 1:  # one group: the sum in two ops, for the weight
+            return [rows_sq(per[1], rows_sq(per[0])), None]
+        return [rows_sq(t) if m else None for t, m in zip(per, mask)]
 
     def per_example(self, site, mask):
         per = self._per_example(site)
@@ -93,6 +95,19 @@ class _AffineNormRule(LayerRule):
         params = self.params(site.module)
         c = coef.view(1, -1)
         return [c.mm(t).view(param_shape(p)).to(site.dtype) if m else None for t, p, m in zip(per, params, mask)]
+
+
+    def add_clipped_grads(self, site, coef, mask, into):
+        """The ``(B, p)`` per-example gradients' sums added into ``p.grad`` in place (one ``addmm_`` each) where
+        they were kept and the gradient is fp32; the rest through :meth:`clipped_grads`."""
+        per = site.kept.get("per_example")
+        if per is None:
+            return self.clipped_grads(site, coef, mask)
+        rest = [m and not add_weighted_rows(t, rows, coef) for m, t, rows in zip(mask, into, per)]
+        if not any(rest):
+            site.kept.pop("per_example")
+            return [None] * len(mask)
+        return self.clipped_grads(site, coef, rest)
 
 
 def _same_dtype(x, g, params) -> bool:

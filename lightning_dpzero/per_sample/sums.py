@@ -21,12 +21,14 @@ from .maths import param_shape
 
 
 def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor,
-                 by_id: Optional[dict] = None) -> list[tuple[int, torch.Tensor]]:
+                 by_id: Optional[dict] = None, unit: float = 1.0) -> list[tuple[int, torch.Tensor]]:
     """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids`` (coefficients ``coef`` (B,)
-    fp32, scaled here by the site's per-example factor and the engine's ``emit_scale``). With ``by_id`` (a
-    deferred write: parameter id → parameter) the rule may add a sum into ``p.grad`` in place (one addmm for a
-    Linear, no temporary of the weight's size), and that parameter is left out of the result."""
-    hook, c = site.hook, coef * (site.scale * engine.emit_scale)
+    fp32 that carry ``unit``, the per-example factor times ``emit_scale`` they were formed with; rescaled here
+    only for a site whose factor differs). With ``by_id`` (a deferred write: parameter id → parameter) the rule
+    may add a sum into ``p.grad`` in place (one addmm for a Linear, no temporary of the weight's size), and that
+    parameter is left out of the result."""
+    own = site.scale * engine.emit_scale
+    hook, c = site.hook, coef if own == unit else coef * (own / unit)
     mask = [i in ids for i in hook.param_ids]
     dtype = site.dtype  # None: a multi-input rule's records are its own
     if by_id is None or dtype is None:
@@ -38,17 +40,19 @@ def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor,
     return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
 
 
-def clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site]) -> dict[int, torch.Tensor]:
+def clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site], unit: float = 1.0
+            ) -> dict[int, torch.Tensor]:
     """Σ over the sites ``records`` of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id (what
     the completing site returns through autograd)."""
     out: dict[int, torch.Tensor] = {}
     for site in records:
-        for i, gr in site_clipped(engine, site, ids, coef):
+        for i, gr in site_clipped(engine, site, ids, coef, unit=unit):
             out[i] = gr if i not in out else out[i] + gr
     return out
 
 
-def write_clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site], by_id: dict) -> None:
+def write_clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site], by_id: dict,
+                  unit: float = 1.0) -> None:
     """Deferred writes of group ``ids`` through the engine's window buffer, site by site in backward order:
     each site is dropped as soon as its sums are written, so its input and output gradient are freed before the
     next site's sums are formed (no second copy of the gradients beside every site's records at the end of the
@@ -58,4 +62,17 @@ def write_clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site]
     ids = {i for i in ids if by_id[i].requires_grad}
     records.reverse()
     while records:
-        engine.window.write((by_id[i], gr) for i, gr in site_clipped(engine, records.pop(), ids, coef, by_id))
+        engine.window.write((by_id[i], gr) for i, gr in site_clipped(engine, records.pop(), ids, coef, by_id, unit))
+
+
+def total_norms(parts: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """Per-example total norms ``(B,)`` from each group's unscaled squared norms and its factor ``(sq, s)``: one
+    stack and sum for all groups where they share the factor (the usual case), not one add per group."""
+    s = parts[0][1]
+    if len(parts) == 1:
+        sq = parts[0][0]
+    elif all(f == s for _, f in parts):
+        sq = torch.stack([t for t, _ in parts]).sum(0)
+    else:
+        sq, s = torch.stack([t * (f * f) for t, f in parts]).sum(0), 1.0
+    return sq.sqrt() * s

@@ -61,9 +61,10 @@ def clip_site(engine, site) -> dict[int, torch.Tensor]:
     coefficients from pass 1 (``sums.site_clipped``, as a layer-wise site forms them)."""
     out: dict[int, torch.Tensor] = {}
     for k in site.hook.groups:
-        coef = engine.pass_coefficients.get(k)
-        if coef is None:
+        entry = engine.pass_coefficients.get(k)
+        if entry is None:
             raise RuntimeError(f"Two-pass clipping: {type(site.module).__name__} '{site.hook.name}' ran its backward "
                                "in the second pass but not in the first, so its clipping coefficients are unknown.")
-        out.update(site_clipped(engine, site, engine.group_ids[k], coef))
+        coef, unit = entry
+        out.update(site_clipped(engine, site, engine.group_ids[k], coef, unit=unit))
     return out
