@@ -388,7 +388,8 @@ def main(argv=None) -> None:
         command = st["command"]
     METHOD_DOC.write_text(render_doc(pl, st, command, rnn))
     if st:
-        DOC.write_text(render_summary(st, _load(RESULTS / "step_time_gpu.json"), f"../benchmarks/results/{PNG.name}"))
+        DOC.write_text(render_summary(st, _load(RESULTS / "step_time_gpu.json"), f"../benchmarks/results/{PNG.name}",
+                                      _load(RESULTS / "op_count.json")))
     print(f"wrote {METHOD_DOC.relative_to(ROOT)}" + (f", {DOC.relative_to(ROOT)} and {PNG.relative_to(ROOT)}"
                                                      if st else ""))
 

@@ -82,9 +82,32 @@ def _opacus_rows(st: dict, gpu: dict | None) -> list[list]:
     return rows
 
 
-def render_summary(st: dict, gpu: dict | None, png: str) -> str:
-    """``docs/benchmarks.md``: the cost, the comparison with Opacus, the plot (``png``: its link from docs/), and
-    where the method and the run history are."""
+def _op_rows(ops: dict) -> list[list]:
+    """Per method of ``op_count.json``: compute operators and host syncs of one optimizer step."""
+    names = {"nondp": "without DP", "layer-wise": "layer-wise clipping", "all-layer": "all-layer clipping"}
+    return [[names.get(k, k), r["compute"], f"{r['ratio_compute']:.2f}×", r["syncs"]]
+            for k, r in ops["runs"].items()]
+
+
+def _op_section(ops: dict | None) -> list[str]:
+    if not ops:
+        return []
+    c = ops["config"]
+    return [
+        "## Operators per step", "",
+        "On a GPU a step of small layers waits on the kernels it launches and on every read back to the host more "
+        "than on arithmetic. `python -m benchmarks.op_count` counts both on the CPU for one optimizer step "
+        f"through the Trainer ({c['layers']}-block GPT, d {c['d_model']}, T {c['seq']}, micro-batch {c['batch']}, "
+        f"one process, ZeRO-{c['stage']}): the compute operators dispatched (views, aliases and empty "
+        "allocations left out) and the host syncs.", "",
+        md_table(["step", "compute operators", "× without DP", "host syncs"], _op_rows(ops)), "",
+    ]
+
+
+def render_summary(st: dict, gpu: dict | None, png: str, ops: dict | None = None) -> str:
+    """``docs/benchmarks.md``: the cost, the comparison with Opacus, the operators per step (``ops``: the
+    results of ``benchmarks.op_count``, left out when None), the plot (``png``: its link from docs/), and where the
+    method and the run history are."""
     where = f"{st['machine_before'].get('cpu_count')} CPU cores" + (
         f" and one {gpu['runs'][0]['machine_before'].get('gpu')}" if gpu else "")
     parts = [
@@ -106,6 +129,7 @@ def render_summary(st: dict, gpu: dict | None, png: str) -> str:
         "without DP:", "",
         md_table(["model", "where", "lightning-dpzero layer-wise", "lightning-dpzero all-layer", "Opacus 1.6 hooks",
                   "Opacus 1.6 ghost clipping"], _opacus_rows(st, gpu)), "",
+        *_op_section(ops),
         "## Every CPU configuration", "",
         f"![DP step time over non-DP for every CPU configuration]({png})", "",
         "Blue bars: Lightning + DeepSpeed, 2 processes; orange: one process. The black tick is the arithmetic "
