@@ -36,6 +36,7 @@ from torch import nn
 
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
+from .broadcast import on_shared_indices
 from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
@@ -247,6 +248,9 @@ class PerSampleEngine:
 
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
+        shared = on_shared_indices(self, hook, x, extra)  # an embedding on indices with no batch (broadcast.py)
+        if shared is not None:
+            return shared
         if not self.clipping_now():
             self._record_call(hook, (x, *extra[0]), extra[1])
             return hook.original_forward(x, extra)
