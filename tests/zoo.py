@@ -184,13 +184,10 @@ class Classifier(nn.Module):
         return self.model(**{self.key: x}).logits
 
 
-def freeze_shared_bias(model: nn.Module) -> list[str]:
-    """T5's relative attention bias is an embedding of (L, L) position buckets shared by every example: it has
-    no per-example gradient, and the engine refuses it; freeze it as the refusal says. Returns the names."""
-    names = [n for n, _ in model.named_parameters() if "relative_attention_bias" in n]
-    for n in names:
-        model.get_parameter(n).requires_grad_(False)
-    return names
+def has_mamba() -> bool:
+    import transformers as tf
+
+    return hasattr(tf, "MambaConfig")
 
 
 #: kind -> (builder, input kind); inputs: "lm" (B, T) ids with (B, T) targets, "cls" ids with (B,) classes,
@@ -203,7 +200,6 @@ ZOO = {
     "llama_checkpointed": (lambda: LM(_checkpointed(_decoder("llama"))), "lm"),
     "mistral": (lambda: LM(_decoder("mistral")), "lm"),
     "t5": (lambda: Seq2Seq(_t5()), "seq2seq"),
-    "t5_frozen_bias": (lambda: _frozen(Seq2Seq(_t5())), "seq2seq"),
     "bert": (lambda: Classifier(_bert(), "input_ids"), "cls"),
     "vit": (lambda: Classifier(_vit(), "pixel_values"), "image"),
     "wav2vec2": (lambda: Classifier(_wav2vec2(), "input_values"), "audio"),
@@ -217,11 +213,6 @@ ZOO = {
 def _checkpointed(model):
     """HuggingFace's non-reentrant activation checkpointing on: each decoder layer recomputes in the backward."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def _frozen(model):
-    freeze_shared_bias(model)
     return model
 
 

@@ -223,3 +223,17 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     origin = Origin(hook, b, check=not hook.__dict__.get("verified"))
     hook.verified = hook.__dict__.get("verified") or b >= 2
     return Shared(copy[0], origin, lambda: copy)
+
+
+def mark_shared_indices(failures: list) -> set:
+    """The layout check's layers looking indices up (``nn.Embedding``) whose indices came out the same whatever
+    the examples (``"shared"``: T5's ``(L, L)`` buckets when L equals B, which only their shape made look batch
+    first): marked, so that every later call of them, the check's next run included, is a shared value."""
+    from .base import LayerHook
+    from .parameters import ParameterHook
+
+    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook)
+              and not isinstance(h, ParameterHook) and h.rule.broadcast_batch}
+    for h in marked:
+        h.shared_indices = True
+    return marked
