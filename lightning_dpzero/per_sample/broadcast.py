@@ -123,6 +123,21 @@ def _broadcast_point(out: torch.Tensor, shared: list, b: Optional[int]) -> bool:
             and all(s.dim() < out.dim() or s.shape[0] == 1 for s in shared))
 
 
+def layout_copy(value: torch.Tensor, record) -> Callable[[], torch.Tensor]:
+    """In the layout check (``record``: its recorder, ``record.index`` the pass's re-indexing or ``None``), the
+    copy of a shared value: ``value`` plus a fixed tag per example, ``(B, *shape)``, row i tagged as the example it
+    holds. A value whose copies reach the wrong examples (broadcast along a dimension that only equals B) then
+    moves the inputs of the layers after it unlike their examples, which the check refuses; plain copies,
+    all equal, would move with any re-indexing."""
+    def make():
+        b = record.b
+        tags = torch.randn((b, *value.shape), generator=torch.Generator().manual_seed(1), dtype=torch.float32)
+        order = torch.arange(b) if getattr(record, "index", None) is None else record.index.cpu()
+        scale = 0.1 * (float(value.detach().float().abs().mean()) + 1e-3) if value.numel() else 0.0
+        return value.detach() + (tags[order] * scale).to(value.device, value.dtype)
+    return make
+
+
 def _derived(func, args, kwargs, shared: list, k: int) -> Callable[[], torch.Tensor]:
     """The copy of output ``k`` of ``func``: ``func`` under vmap over the copies of its shared inputs."""
     def make():
@@ -155,11 +170,11 @@ def _substituted(func, args, kwargs, shared: list, copies: list, out_dim: int):
 def _at_broadcast(func, args, kwargs, out: torch.Tensor, shared: list, origin: Origin, b: int) -> torch.Tensor:
     """The broadcast point: the output computed from the per-example copies (see the module docstring); in the
     layout check, the plain output, recorded."""
-    if origin.b is None:  # the layout check: this output must be batch first and per example
-        origin.record.record(origin.hook.broadcast_use, (out,), {})
-        return out
     copies = [s.batched() for s in shared]
     res = _substituted(func, args, kwargs, shared, copies, out.dim())
+    if origin.b is None:  # the layout check: this output must be batch first and per example
+        origin.record.record(origin.hook.broadcast_use, (res,), {})
+        return res
     if origin.check and b >= 2:
         _check(func, args, kwargs, out, res, shared, copies, origin, b)
     return res
@@ -215,7 +230,8 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     if not engine.clipping_now():
         if layout is None:
             return hook.original_forward(x, extra)
-        return Shared(hook.original_forward(x, extra), Origin(hook, None, record=layout), None)
+        value = hook.original_forward(x, extra)
+        return Shared(value, Origin(hook, None, record=layout), layout_copy(value, layout))
     rows = x.expand(b, *x.shape)
     engine._register_site(hook)
     engine.input_readers.add(rows)

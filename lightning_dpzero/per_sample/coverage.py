@@ -148,9 +148,9 @@ def _reason(mod: nn.Module, names: list[str], owned: set[int]) -> str:
     children = ", ".join(_trainable_below(mod))
     why = (f"parameters of its own ({shapes}) used by {cls}'s forward next to child modules with trainable "
            f"parameters ({children}): the generic rule (torch.func per example over a module's forward) covers a "
-           "module's own parameters only when no child below it is trainable, and a parameter used directly next "
-           "to trainable children only when its first dimension is 1 and the forward broadcasts it over the batch "
-           "(a class token (1, 1, d), a position embedding (1, T, d))")
+           "module's own parameters only when no child below it is trainable, and parameters used directly next "
+           "to trainable children are traced to where the forward broadcasts them over the batch only in a module "
+           f"that is not a layer with a rule ({cls} is one)")
     detail = unsupported_reason(mod)
     if has_registered_base(mod) and not detail.startswith("no per-example rule"):
         why += f"; besides, {detail}"

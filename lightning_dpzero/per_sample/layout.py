@@ -197,6 +197,7 @@ class _Recorder:
 
 def _record(engine, run_forward, index, b: int, vectors: _Vectors) -> _Recorder:
     rec = _Recorder(b, vectors)
+    rec.index = index  # this pass's re-indexing (broadcast.py tags shared values' copies by example)
     engine._layout = rec
     try:
         with torch.random.fork_rng(devices=_devices()), torch.no_grad():

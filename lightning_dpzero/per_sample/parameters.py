@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .base import LayerHook, Site, UnsupportedLayerError
-from .broadcast import Origin, Shared
+from .broadcast import Origin, Shared, layout_copy
 from .generic import InstantiatedGradsRule
 
 
@@ -117,8 +117,8 @@ class ParameterHook(LayerHook):
             eng._record_call(self, args, kwargs)
             if self.shared and eng._layout is not None:  # the layout check records its broadcast points
                 origin = Origin(self, None, record=eng._layout)
-                return self._forward_with(self.rule.param_names, [Shared(p, origin, None) for p in self.params_],
-                                          args, kwargs)
+                values = [Shared(p, origin, layout_copy(p, eng._layout)) for p in self.params_]
+                return self._forward_with(self.rule.param_names, values, args, kwargs)
             return self.module_forward(*args, **kwargs)
         b = eng.expected_batch_size if eng.expected_batch_size is not None else _batch_size(args, kwargs)
         if b is None:
