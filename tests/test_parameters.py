@@ -171,6 +171,20 @@ def test_a_shared_value_used_otherwise_than_broadcast_over_the_batch_is_refused(
     assert model.w.grad is None
 
 
+def test_an_in_place_operation_on_a_shared_value_is_refused_before_it_runs():
+    class InPlace(Scale):
+        def forward(self, x):
+            h = self.lin(x)
+            h += self.gamma  # would be applied twice: once on the value, once with the per-example copies
+            return self.head(h).mean(1)
+
+    model = InPlace()
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"InPlace '<root>'.*in-place operation \((__iadd__|add_)\).*x = x \+ p"):
+        with engine.micro_batch(batch_size=3):
+            model(torch.randn(3, 4, 4))
+
+
 def test_raw_parameter_not_broadcast_over_the_batch_is_refused_at_the_first_batch():
     class Score(nn.Module):
         def __init__(self):
@@ -315,3 +329,14 @@ def test_position_indices_without_a_batch_dimension_match_the_oracle(b):
     engine.detach()
     _check(model, x, y, C=0.05)
     assert model.pos.weight.grad.abs().sum() > 0
+
+
+def test_under_zero3_an_embedding_on_shared_indices_stays_refused():
+    """ZeRO-3 holds the weight gathered only during the module's forward, and the shared value is used after it:
+    refused as before (the fix: (1, T) indices, broadcast per example by the layer's rule, or freezing it)."""
+    model = NanoPos()
+    model.pos.weight.ds_id = 0  # as DeepSpeed's ZeRO-3 marks its parameters
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"Embedding 'pos' received indices of shape \(4,\).*\[None\]"):
+        with engine.micro_batch(batch_size=3):
+            model(torch.randint(0, 10, (3, 4)))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .base import UnsupportedLayerError
+from .base import LayerHook, UnsupportedLayerError
 
 #: perturbation rounds of the once-per-module locality check of a broadcast point (2 * CHECK_BITS recomputations)
 CHECK_BITS = 6
@@ -79,22 +79,22 @@ class Shared(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        shared = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Shared)]
+        flat_args = tree_flatten((args, kwargs))[0]
+        shared = [a for a in flat_args if isinstance(a, Shared)]
         origin = shared[0]._origin
+        if func is torch.Tensor.backward:
+            raise _refusal(origin, "the loss is computed from it without broadcasting it over the batch")
+        if _in_place(func):  # before it runs: it would write the parameter, or apply twice at a broadcast
+            raise _refusal(origin, f"an in-place operation ({func.__name__}) involves it: write it out of place "
+                                   "(x = x + p, not x += p)")
+        others = [a for a in flat_args if isinstance(a, torch.Tensor) and not isinstance(a, Shared)]
         with torch._C.DisableTorchFunctionSubclass():
-            plain_args, plain_kwargs = tree_map(_plain, (args, kwargs))
-            if func is torch.Tensor.backward:
-                raise _refusal(origin, "the loss is computed from it without broadcasting it over the batch")
-            out = func(*plain_args, **plain_kwargs)
+            out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
             if not isinstance(out, (torch.Tensor, tuple, list)):
                 return out  # a shape, a dtype, a Python number
-            others = [a for a in tree_flatten((plain_args, plain_kwargs))[0]
-                      if isinstance(a, torch.Tensor) and not any(a is s for s in shared)]
             b = origin.b if origin.b is not None else (origin.record.b if origin.record is not None else None)
             if isinstance(out, torch.Tensor) and _broadcast_point(out, shared, b):
                 return _at_broadcast(func, args, kwargs, out, shared, origin, b)
-            if _in_place(func) and args and any(a is args[0] for a in shared):
-                raise _refusal(origin, f"it is updated in place ({func.__name__})")
             if any(a.requires_grad for a in others) and torch.is_grad_enabled():
                 raise _refusal(origin, f"{getattr(func, '__name__', func)} combines it with a tensor that has a "
                                        "gradient without broadcasting it over the batch (the output's first dimension "
@@ -223,8 +223,8 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     layout = engine._layout
     b = engine.expected_batch_size if layout is None else layout.b
     if not hook.__dict__.get("shared_indices"):
-        if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point()
-                or b is None or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))):
+        if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point() or b is None
+                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b)) or _zero3(hook)):
             return None
         hook.shared_indices = True
     if not engine.clipping_now():
@@ -245,11 +245,16 @@ def mark_shared_indices(failures: list) -> set:
     """The layout check's layers looking indices up (``nn.Embedding``) whose indices came out the same whatever
     the examples (``"shared"``: T5's ``(L, L)`` buckets when L equals B, which only their shape made look batch
     first): marked, so that every later call of them, the check's next run included, is a shared value."""
-    from .base import LayerHook
-    from .parameters import ParameterHook
-
-    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook)
-              and not isinstance(h, ParameterHook) and h.rule.broadcast_batch}
+    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook) and h.rule.broadcast_batch
+              and not _zero3(h)}
     for h in marked:
         h.shared_indices = True
     return marked
+
+
+def _zero3(hook) -> bool:
+    """The layer's trainable parameters are ZeRO-3's: its output on shared indices would be used after the
+    module's forward, where ZeRO-3 no longer holds its weight gathered, and in the tests its clipped sum did not
+    reach the optimizer's partition. Such a call stays refused as before (the layer's batch check and the
+    layout check: freeze it, or give (1, T) indices, which every rule broadcasts per example)."""
+    return any(hasattr(p, "ds_id") for p in hook.rule.params(hook.module) if p is not None and p.requires_grad)
