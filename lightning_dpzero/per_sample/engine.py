@@ -53,9 +53,9 @@ class PerSampleEngine:
     """Per-example clipping for every trainable parameter of ``module``.
 
     Args:
-        module: any ``nn.Module``; every trainable parameter must belong to a supported layer, or be a
-            parameter of shape ``(1, ...)`` that its module's forward broadcasts over the batch (class token,
-            position embedding; ``parameters.py``).
+        module: any ``nn.Module``; every trainable parameter must belong to a supported layer, or be used
+            directly by its module's forward and broadcast over the batch (class token, position embedding,
+            layer scale; ``parameters.py``, ``broadcast.py``).
         max_grad_norm: C, the bound on each example's total gradient norm (``math.inf``: no clipping).
         clipping: ``"layer-wise"`` (one group per layer), ``"all-layer"`` (one group) or ``"group-wise"``.
         clipping_fn: ``"abadi"`` (``min(1, C/‖g‖)``) or ``"automatic"`` (``C/(‖g‖+γ)``).
@@ -248,8 +248,7 @@ class PerSampleEngine:
 
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
-        shared = on_shared_indices(self, hook, x, extra)  # an embedding on indices with no batch (broadcast.py)
-        if shared is not None:
+        if (shared := on_shared_indices(self, hook, x, extra)) is not None:  # indices with no batch (broadcast.py)
             return shared
         if not self.clipping_now():
             self._record_call(hook, (x, *extra[0]), extra[1])

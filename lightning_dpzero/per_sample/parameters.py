@@ -24,6 +24,11 @@ random state, and that perturbing the views of a set of examples changes no othe
 (With one example the views *are* ``P``, so its per-example gradient is exact whatever the forward does.)
 Under ZeRO-3 on several processes forwards gather parameters collectively, so every rank runs the check at
 its first clipped micro-batch, whatever its size, comparing only where it has two or more examples.
+
+A module whose direct parameters are not all of shape ``(1, ...)`` (ConvNeXt's layer scale ``(C,)``, CLIP's class
+embedding ``(d,)``, Mamba's ``A_log``; only next to trainable children, see ``coverage.py``) gives its forward
+shared values instead of views (``broadcast.py``): the copies ``P.expand(B, *P.shape)`` come from the same
+autograd function, and are substituted where the forward broadcasts each value over the batch.
 """
 
 from __future__ import annotations
