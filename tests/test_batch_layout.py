@@ -67,17 +67,19 @@ def test_time_first_stack_is_refused_with_the_fix(T):
     assert "'head'" not in str(err.value)  # batch first again: it follows its examples
 
 
-@pytest.mark.parametrize("L_", [3, 4])  # L == B (the silent case) and L != B
-def test_an_input_shared_by_every_example_is_refused_naming_the_parameter_to_freeze(L_):
+@pytest.mark.parametrize("L_", [3, 4])  # L == B (indices that look batch first) and L != B
+def test_an_input_shared_by_every_example_trains_per_example_where_it_is_broadcast(L_):
     torch.manual_seed(1)
     model = SharedBias()
     x, y = torch.randn(3, L_, 4), torch.randint(0, 3, (3,))
-    with pytest.raises(UnsupportedLayerError, match=r"Embedding 'bias': its input is the same whatever the examples"
-                                                    r".*Fix: freeze it before training: "
-                                                    r"module\.get_parameter\('bias\.weight'\)\.requires_grad_\(False\)"):
-        _check(model, x, y)
-    model.get_parameter("bias.weight").requires_grad_(False)  # the fix, as pasted
-    assert _check(model, x, y)
+    ref = clipped_sum(model, per_example_grads(model, F.cross_entropy, x, y), 0.05, "layer-wise")
+    engine = PerSampleEngine(model, max_grad_norm=0.05).attach()
+    # L == B: the check sees the buckets shared, and the engine then treats them so (without it, they look batch first)
+    assert engine.check_layout(_run(model, x, y), 3)
+    with engine.micro_batch(batch_size=3):
+        F.cross_entropy(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=1e-4, atol=1e-7, msg=n)
 
 
 def test_statistics_over_the_batch_are_refused():
@@ -115,13 +117,13 @@ def test_a_micro_batch_of_fewer_than_two_examples_leaves_the_check_pending():
     assert engine.check_layout(lambda i: pytest.fail("checked twice"), 3)  # once proven, never run again
 
 
-def test_a_shared_input_is_refused_even_with_one_example():
-    with pytest.raises(UnsupportedLayerError, match="Embedding 'bias'"):
-        _check(SharedBias(), torch.randn(1, 3, 4), torch.randint(0, 3, (1,)))
+def test_a_shared_input_with_one_example_is_a_shared_value():
+    assert not _check(SharedBias(), torch.randn(1, 3, 4), torch.randint(0, 3, (1,)))  # passed, B < 2: pending
 
 
 class _Ranks:
-    """Two ranks as the check sees them: the other rank's flags (failed, pending) are added by ``reduce``."""
+    """Two ranks as the check sees them: the other rank's flags (failed, pending, check again) are added by
+    ``reduce``."""
 
     world_size = 2
 
@@ -137,9 +139,9 @@ def test_the_ranks_agree_in_one_all_reduce():
     torch.manual_seed(5)
     model, x, y = TokenNet(), torch.randint(0, 13, (3, 6)), torch.randint(0, 3, (3,))
     with pytest.raises(UnsupportedLayerError, match="failed on 1 other rank"):
-        _check(model, x, y, _Ranks([1.0, 0.0]))
-    assert not _check(model, x, y, _Ranks([0.0, 1.0]))  # the other rank had fewer than two examples
-    assert _check(model, x, y, _Ranks([0.0, 0.0]))
+        _check(model, x, y, _Ranks([1.0, 0.0, 0.0]))
+    assert not _check(model, x, y, _Ranks([0.0, 1.0, 0.0]))  # the other rank had fewer than two examples
+    assert _check(model, x, y, _Ranks([0.0, 0.0, 0.0]))
 
 
 def test_reindex_batch_walks_the_batch_and_indexes_only_batch_first_tensors():

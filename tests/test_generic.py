@@ -207,7 +207,7 @@ def test_what_the_generic_rule_cannot_clip_is_refused_before_any_gradient(layer,
     assert model[1].w.grad is None  # the call returned no gradient (the error stops training before its step)
 
 
-def test_own_parameters_next_to_trainable_children_are_refused_with_what_to_do():
+def test_own_parameters_next_to_trainable_children_are_traced_to_their_broadcast():
     class Residual(nn.Module):
         def __init__(self):
             super().__init__()
@@ -217,36 +217,43 @@ def test_own_parameters_next_to_trainable_children_are_refused_with_what_to_do()
         def forward(self, x):
             return x + self.alpha * self.inner(x)
 
-    with pytest.raises(UnsupportedLayerError, match=r"'alpha' of Residual '<root>'.*child modules with trainable "
-                                                    r"parameters \(inner\).*Fix: move these parameters into a small "
-                                                    r"module of their own.*register a rule.*or freeze"):
-        PerSampleEngine(Residual()).attach()
+    rules = {type(h.rule).__name__ for h in PerSampleEngine(Residual()).attach().hooks}
+    assert rules == {"LinearRule", "BroadcastParameterRule"}  # alpha: shared until ``* self.inner(x)``
     frozen = Residual()
     frozen.inner.requires_grad_(False)  # no trainable child: the generic rule covers alpha
     assert type(PerSampleEngine(frozen).attach().hooks[0].rule).__name__ == "InstantiatedGradsRule"
 
 
+class GainLinear(nn.Linear):
+    """A subclass of a layer with a rule, with a parameter the rule does not know and a trainable child."""
+
+    def __init__(self):
+        super().__init__(8, 8)
+        self.gain, self.inner = nn.Parameter(torch.ones(8)), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return super().forward(self.inner(x)) * self.gain
+
+
+def test_own_parameters_of_a_layer_subclass_next_to_trainable_children_are_refused_with_what_to_do():
+    with pytest.raises(UnsupportedLayerError, match=r"'gain' of GainLinear '<root>'.*child modules with trainable "
+                                                    r"parameters \(inner\).*Fix: move these parameters into a small "
+                                                    r"module of their own.*register a rule.*or freeze"):
+        PerSampleEngine(GainLinear()).attach()
+
+
 def test_refusals_are_one_line_per_module_class_for_a_deep_model():
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(8, 8)
-            self.gain = nn.Parameter(torch.ones(8))
-
-        def forward(self, x):
-            return self.proj(x) * self.gain
-
-    model = nn.Sequential(*[Block() for _ in range(32)], *[nn.BatchNorm1d(8) for _ in range(32)])
+    model = nn.Sequential(*[GainLinear() for _ in range(32)], *[nn.BatchNorm1d(8) for _ in range(32)])
     with pytest.raises(UnsupportedLayerError) as err:
         PerSampleEngine(model).attach()
     msg = str(err.value)
     assert len(msg.splitlines()) == 2 and "BatchNorm1d '32', '33', '34' and 29 more" in msg and len(msg) < 600
-    model = nn.Sequential(*[Block() for _ in range(32)])
+    model = nn.Sequential(*[GainLinear() for _ in range(32)])
     with pytest.raises(UnsupportedLayerError) as err:
         PerSampleEngine(model).attach()
     msg = str(err.value)
-    assert len(msg.splitlines()) == 2 and len(msg) < 1200, msg
-    assert "'0.gain' of Block '0' and 31 more Block modules ('1', '2', '3' and 28 more)" in msg
+    assert len(msg.splitlines()) == 2 and len(msg) < 1400, msg
+    assert "of GainLinear '0' and 31 more GainLinear modules ('1', '2', '3' and 28 more)" in msg
 
 
 # ---------------------------------------------------------------------------------------------- HF RMSNorm by name

@@ -102,18 +102,87 @@ def test_real_huggingface_vit_matches_the_oracle():
     assert model.vit.embeddings.cls_token.grad.abs().sum() > 0
 
 
-def test_raw_parameter_of_other_shape_is_refused_by_name_before_training():
-    class Scale(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.gamma = nn.Parameter(torch.ones(4))  # (d,): broadcasting it per example is not possible
+class Scale(nn.Module):
+    """A (d,) layer scale next to a layer, as ConvNeXt's: shared by every example until ``* self.gamma``."""
 
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+        self.offset = nn.Parameter(torch.randn(2, d))  # added to each example's (T, d) activations
+
+    def forward(self, x):  # (B, T, d)
+        return self.head(self.lin(x) * self.gamma + self.offset.repeat(x.shape[1] // 2, 1)).mean(1)
+
+
+@pytest.mark.parametrize("clipping", ["layer-wise", "all-layer"])
+def test_parameters_of_any_shape_broadcast_over_the_batch_match_the_oracle(clipping):
+    torch.manual_seed(4)
+    model, x, y = Scale(), torch.randn(3, 4, 4), torch.randint(0, 3, (3,))
+    engine = _check(model, x, y, C=0.05, clipping=clipping)
+    assert engine.stats["clipped"] > 0 and model.gamma.grad.abs().sum() > 0 and model.offset.grad.abs().sum() > 0
+    assert isinstance(model.gamma, nn.Parameter)  # the shared values are gone after the forward
+
+
+class Expanded(nn.Module):
+    """A (d,) parameter expanded to (T, d) before the broadcast: when T == B the expansion looks like one."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin, self.p = nn.Linear(d, 3), nn.Parameter(torch.randn(d))
+
+    def forward(self, x):  # (B, T, d)
+        return self.lin(x + self.p.expand(x.shape[1], -1)).mean(1)
+
+
+def test_a_shared_value_broadcast_along_a_dimension_that_equals_b_is_refused_by_the_layout_check():
+    torch.manual_seed(5)
+    model, y = Expanded(), torch.randint(0, 3, (3,))
+    x = torch.randn(3, 4, 4)  # T != B: the addition broadcasts it over the batch
+    _check(model, x, y)
+    x = torch.randn(3, 3, 4)  # T == B: expand(T, d) would hand example t's copy to position t of every example
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"Linear 'lin': row i of its input depends on other examples"):
+        engine.check_layout(lambda i: F.cross_entropy(model(x if i is None else x[i]), y), 3)
+
+
+class Weight(nn.Module):
+    """A (2, d) parameter used as a weight matrix, and a penalty on it added to the loss: neither is a broadcast
+    over the batch."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.lin, self.w = nn.Linear(d, d), nn.Parameter(torch.randn(2, d))
+
+    def forward(self, x):
+        return F.linear(self.lin(x), self.w)
+
+    def penalty(self):
+        return self.w.pow(2).sum()
+
+
+def test_a_shared_value_used_otherwise_than_broadcast_over_the_batch_is_refused():
+    model = Weight()
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"Weight '<root>': \['w'\].*linear combines it with a tensor "
+                                                    r"that has a gradient without broadcasting it"):
+        with engine.micro_batch(batch_size=3):
+            model(torch.randn(3, 4))
+    assert model.w.grad is None
+
+
+def test_an_in_place_operation_on_a_shared_value_is_refused_before_it_runs():
+    class InPlace(Scale):
         def forward(self, x):
-            return self.lin(x) * self.gamma
+            h = self.lin(x)
+            h += self.gamma  # would be applied twice: once on the value, once with the per-example copies
+            return self.head(h).mean(1)
 
-    with pytest.raises(UnsupportedLayerError, match=r"'gamma' of Scale '<root>'.*shape \(4,\).*first dimension is 1"):
-        PerSampleEngine(Scale()).attach()
+    model = InPlace()
+    engine = PerSampleEngine(model).attach()
+    with pytest.raises(UnsupportedLayerError, match=r"InPlace '<root>'.*in-place operation \((__iadd__|add_)\).*x = x \+ p"):
+        with engine.micro_batch(batch_size=3):
+            model(torch.randn(3, 4, 4))
 
 
 def test_raw_parameter_not_broadcast_over_the_batch_is_refused_at_the_first_batch():
@@ -242,18 +311,32 @@ def test_detached_engine_leaves_plain_training_alone():
     assert model.emb.weight.grad is not None
 
 
-def test_position_indices_without_a_batch_dimension_are_refused():
-    class NanoPos(nn.Module):
-        def __init__(self, T=4, d=3):
-            super().__init__()
-            self.tok = nn.Embedding(10, d)
-            self.pos = nn.Embedding(T, d)
+class NanoPos(nn.Module):
+    def __init__(self, T=4, d=3):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(10, d), nn.Embedding(T, d), nn.Linear(d, 3)
 
-        def forward(self, idx):
-            return self.tok(idx) + self.pos(torch.arange(idx.shape[1]))  # (T,): no batch dimension
+    def forward(self, idx):  # nanoGPT: (T,) position indices, no batch dimension, broadcast by the addition
+        return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1]))).mean(1)
 
+
+@pytest.mark.parametrize("b", [3, 4])  # T == B (4): the indices' first dimension happens to equal the batch
+def test_position_indices_without_a_batch_dimension_match_the_oracle(b):
+    torch.manual_seed(6)
+    model, x, y = NanoPos(), torch.randint(0, 10, (b, 4)), torch.randint(0, 3, (b,))
+    engine = PerSampleEngine(model).attach()
+    assert engine.check_layout(lambda i: F.cross_entropy(model(x if i is None else x[i]), y), b)
+    engine.detach()
+    _check(model, x, y, C=0.05)
+    assert model.pos.weight.grad.abs().sum() > 0
+
+
+def test_under_zero3_an_embedding_on_shared_indices_stays_refused():
+    """ZeRO-3 holds the weight gathered only during the module's forward, and the shared value is used after it:
+    refused as before (the fix: (1, T) indices, broadcast per example by the layer's rule, or freezing it)."""
     model = NanoPos()
+    model.pos.weight.ds_id = 0  # as DeepSpeed's ZeRO-3 marks its parameters
     engine = PerSampleEngine(model).attach()
     with pytest.raises(UnsupportedLayerError, match=r"Embedding 'pos' received indices of shape \(4,\).*\[None\]"):
-        with engine.micro_batch(batch_size=4):  # T == B: before, this passed as 4 "examples"
-            model(torch.randint(0, 10, (4, 4))).sum().backward()
+        with engine.micro_batch(batch_size=3):
+            model(torch.randint(0, 10, (3, 4)))

@@ -3,7 +3,8 @@ oracle (docs/design.md, I2 and I5).
 
 One process: the engine's Σ_i clip(g_i) for one micro-batch against a per-example backward loop in float64,
 all-layer and layer-wise, full fine-tuning and LoRA (peft) on the decoders, after the layout check passed;
-T5's shared relative attention bias is refused before the first update unless frozen. Two processes (slow):
+parameters used directly in a forward (CLIP's class embedding, ConvNeXt's layer scale, Mamba's A_log and D,
+nanoGPT's position embedding on torch.arange(T), T5's relative attention bias) train per example. Two processes (slow):
 one launch trains every model (and a user's own layer through the generic rule) for a few steps on ZeRO-3 and
 matches the single-process replay.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_dpzero.per_sample import PerSampleEngine, UnsupportedLayerError
+from lightning_dpzero.per_sample import PerSampleEngine
 from lightning_dpzero.per_sample import registry
 from oracle import backward, clipped_sum, per_example_grads_loop
 
@@ -22,7 +23,10 @@ pytest.importorskip("transformers")
 import zoo  # noqa: E402
 
 B, C = 4, 0.5
-FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit", "wav2vec2"]
+FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "nanogpt"]
+#: models with parameters used directly in the forward (or an embedding on indices shared by every example)
+DIRECT = ["clip_vision", "convnext", "nanogpt", "t5"] + (["mamba"] if zoo.has_mamba() else [])
+DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias")
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 
 
@@ -52,7 +56,7 @@ def _engine_vs_oracle(model, x, y, clipping, C=C, mode="book-keeping"):
 
 @pytest.mark.parametrize("clipping,mode", [("all-layer", "book-keeping"), ("all-layer", "two-pass"),
                                            ("layer-wise", "book-keeping")])
-@pytest.mark.parametrize("kind", FULL)
+@pytest.mark.parametrize("kind", FULL + (["mamba"] if zoo.has_mamba() else []))
 def test_full_fine_tuning_matches_the_oracle(kind, clipping, mode):
     torch.manual_seed(0)
     model = zoo.build(kind).train()
@@ -86,33 +90,33 @@ def test_lora_matches_the_oracle(kind):
     _engine_vs_oracle(model, x, y, "all-layer", C=0.005)
 
 
-@pytest.mark.parametrize("batch", [2, 3, 5])  # 5 and 3: the encoder's and the decoder's length equal B
-def test_t5_shared_relative_bias_is_refused_before_the_first_update_with_the_fix(batch):
+@pytest.mark.parametrize("batch", [3, 5])  # 5 and 3: the encoder's and the decoder's length equal B
+def test_t5_relative_bias_trains_when_a_sequence_length_equals_the_batch(batch):
+    """The (L, L) position buckets look batch first when L == B: the layout check sees them shared, marks the
+    embedding and checks again, and the bias trains per example like any other L."""
     torch.manual_seed(3)
-    model = zoo.build("t5_unfrozen").train()
-    x, y = zoo.make_data("t5_unfrozen", batch)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = PerSampleEngine(model, max_grad_norm=C).attach()
-    with pytest.raises(UnsupportedLayerError) as err:
-        engine.check_layout(_loss(model, x, y), batch)
-    engine.detach()
-    msg = str(err.value)
-    for part in ("encoder", "decoder"):
-        name = f"model.{part}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-        assert f"'{name}'" in msg  # the exact parameters, in the one-line fix
-    assert "shared by every example" in msg and "requires_grad_(False)" in msg
-    assert len(msg.splitlines()) == 3 and len(msg) < 1500  # one line for both (one class, one cause)
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-
-
-def test_t5_as_the_refusal_says_trains_unchanged_otherwise():
-    """Freezing exactly what the refusal names is enough: every other T5 parameter trains and matches."""
-    torch.manual_seed(3)
-    model = zoo.build("t5_unfrozen").train()
-    x, y = zoo.make_data("t5_unfrozen", B)
-    frozen = zoo.freeze_shared_bias(model)
-    assert len(frozen) == 2
+    model = zoo.build("t5").train()
+    x, y = zoo.make_data("t5", batch)
     _engine_vs_oracle(model, x, y, "layer-wise")
+
+
+@pytest.mark.parametrize("kind", DIRECT)
+def test_direct_parameters_are_clipped_by_their_broadcast_uses(kind):
+    """Each model's directly used parameters (class embedding, layer scale, A_log and D, the position embedding on
+    torch.arange(T), the relative bias) are covered by a site whose per-example copies are made where the
+    forward broadcasts them, not refused and not left to another rule."""
+    model = zoo.build(kind)
+    engine = PerSampleEngine(model, max_grad_norm=C).attach()
+    try:
+        covered = {id(p): type(h.rule).__name__ for h in engine.hooks for p in h.rule.params(h.module)
+                   if p is not None}
+    finally:
+        engine.detach()
+    names = [n for n, p in model.named_parameters() if p.requires_grad and any(k in n for k in DIRECT_NAMES)]
+    assert names
+    for n in names:
+        p = model.get_parameter(n)
+        assert covered[id(p)] in ("BroadcastParameterRule", "EmbeddingRule"), n
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-3, 2 processes
@@ -127,7 +131,13 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
 
     cases = [dict(name=f"zoo_{k}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip, clipping_fn="abadi",
                   poisson=False, accumulate=1, steps=2, n=24, batch_size=3, lr=0.5, oracle="loop")
-             for k, clip in zip(FULL[:-1], ["all-layer", "layer-wise"] * 4)]
+             for k, clip in zip([{"t5": "t5_frozen_bias"}.get(k, k) for k in FULL if k not in ("wav2vec2", "nanogpt")],
+                                ["all-layer", "layer-wise"] * 5)]
+    # parameters used directly (class embedding, layer scale) on Poisson batches: micro-batches of 0, 1 or more
+    # examples, the shared values' copies made per micro-batch (an embedding on shared indices stays refused here)
+    for case in cases:
+        if case["model"] in ("zoo:clip_vision", "zoo:convnext"):
+            case.update(poisson=True, steps=3)
     # Wav2Vec2's weight_norm positional convolution on Poisson batches: ZeRO-3 gathers the parametrized layer whole,
     # its originals included, in its forward and in its backward
     cases += [dict(cases[0], name=f"zoo_wav2vec2_{clip}", model="zoo:wav2vec2", clipping=clip, poisson=True, steps=3)

@@ -85,6 +85,72 @@ def _wav2vec2():
         classifier_proj_size=8, attn_implementation="eager"))
 
 
+def _clip_vision():
+    """CLIP's vision tower: its class embedding is a ``(d,)`` parameter used directly
+    (``class_embedding.expand(B, 1, -1)``), next to the patch convolution and the position embedding."""
+    import transformers as tf
+
+    config = tf.CLIPVisionConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=D, intermediate_size=24,
+                                 num_hidden_layers=2, num_attention_heads=2, projection_dim=8, attention_dropout=0.0,
+                                 attn_implementation="eager")
+    return _VisionHead(tf.CLIPVisionModel(config))
+
+
+def _convnext():
+    """ConvNeXt with layer scale: each block multiplies its output by a ``(C,)`` parameter used directly."""
+    import transformers as tf
+
+    model = tf.ConvNextForImageClassification(tf.ConvNextConfig(
+        num_channels=1, patch_size=2, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=8,
+        layer_scale_init_value=0.5, drop_path_rate=0.0, num_labels=3))
+    with torch.no_grad():  # one value per channel: make each channel's gradient its own
+        for name, p in model.named_parameters():
+            if "layer_scale" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _mamba():
+    """Mamba: each mixer's ``A_log`` ``(2D, N)`` and ``D`` ``(2D,)`` are used directly in its selective scan (the
+    reference PyTorch implementation on the CPU). ``dt_proj`` and ``conv1d`` are frozen: the mixer reads their
+    weights without calling them (``dt_proj.weight @ h``, ``F.conv1d(h, conv1d.weight, ...)``), which the engine
+    refuses."""
+    import transformers as tf
+
+    model = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=D, state_size=4, num_hidden_layers=2,
+                                               expand=2, conv_kernel=3, time_step_rank=4, use_mambapy=False))
+    for name, p in model.named_parameters():
+        p.requires_grad_("dt_proj" not in name and "conv1d" not in name)
+    return model
+
+
+class _VisionHead(nn.Module):
+    """A vision tower and a linear head on its pooled output: pixels (B, 1, 8, 8) → logits (B, 3)."""
+
+    def __init__(self, tower):
+        super().__init__()
+        self.tower, self.head = tower, nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.tower(pixel_values=x).pooler_output)
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's embedding: ``wte(ids) + wpe(torch.arange(T))``, the position embedding looked up at indices shared
+    by every example and broadcast by the addition; then a pre-norm MLP block and the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.ln, self.mlp = nn.LayerNorm(D), nn.Sequential(nn.Linear(D, 24), nn.GELU(), nn.Linear(24, D))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        x = x + self.mlp(self.ln(x))
+        return self.head(x).transpose(1, 2)
+
+
 class LM(nn.Module):
     """A causal LM: token ids (B, T) → logits (B, V, T)."""
 
@@ -118,13 +184,18 @@ class Classifier(nn.Module):
         return self.model(**{self.key: x}).logits
 
 
-def freeze_shared_bias(model: nn.Module) -> list[str]:
-    """T5's relative attention bias is an embedding of (L, L) position buckets shared by every example: it has
-    no per-example gradient, and the engine refuses it; freeze it as the refusal says. Returns the names."""
-    names = [n for n, _ in model.named_parameters() if "relative_attention_bias" in n]
-    for n in names:
-        model.get_parameter(n).requires_grad_(False)
-    return names
+def _frozen_bias(model: nn.Module) -> nn.Module:
+    """T5 with its relative attention bias frozen: under ZeRO-3, an embedding on indices shared by every example
+    is still refused."""
+    for n, p in model.named_parameters():
+        p.requires_grad_("relative_attention_bias" not in n)
+    return model
+
+
+def has_mamba() -> bool:
+    import transformers as tf
+
+    return hasattr(tf, "MambaConfig")
 
 
 #: kind -> (builder, input kind); inputs: "lm" (B, T) ids with (B, T) targets, "cls" ids with (B,) classes,
@@ -136,22 +207,21 @@ ZOO = {
     "qwen2": (lambda: LM(_decoder("qwen2")), "lm"),
     "llama_checkpointed": (lambda: LM(_checkpointed(_decoder("llama"))), "lm"),
     "mistral": (lambda: LM(_decoder("mistral")), "lm"),
-    "t5": (lambda: _frozen(Seq2Seq(_t5())), "seq2seq"),
-    "t5_unfrozen": (lambda: Seq2Seq(_t5()), "seq2seq"),
+    "t5": (lambda: Seq2Seq(_t5()), "seq2seq"),
+    "t5_frozen_bias": (lambda: _frozen_bias(Seq2Seq(_t5())), "seq2seq"),  # ZeRO-3: its bias stays refused
     "bert": (lambda: Classifier(_bert(), "input_ids"), "cls"),
     "vit": (lambda: Classifier(_vit(), "pixel_values"), "image"),
     "wav2vec2": (lambda: Classifier(_wav2vec2(), "input_values"), "audio"),
+    "clip_vision": (_clip_vision, "image"),
+    "convnext": (lambda: Classifier(_convnext(), "pixel_values"), "image"),
+    "nanogpt": (NanoGPT, "lm"),
+    "mamba": (lambda: LM(_mamba()), "lm"),
 }
 
 
 def _checkpointed(model):
     """HuggingFace's non-reentrant activation checkpointing on: each decoder layer recomputes in the backward."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def _frozen(model):
-    freeze_shared_bias(model)
     return model
 
 

@@ -10,7 +10,9 @@ Each module with trainable parameters of its own gets, in this order:
 2. nothing, when a parent's rule owns it (attention's ``out_proj``);
 3. per-example views (``parameters.py``), when its trainable parameters of its own all have first dimension 1
    (a class token, a position embedding) and it is no subclass of a layer with a rule (in a module with no
-   trainable child, not when one of them is a ``(1,)`` scale such as ``nn.PReLU()``'s weight: step 4);
+   trainable child, not when one of them is a ``(1,)`` scale such as ``nn.PReLU()``'s weight: step 4); next to
+   trainable children, its own parameters of any shape, traced to where its forward broadcasts them over the
+   batch (``broadcast.py``: ConvNeXt's layer scale, CLIP's class embedding);
 4. the generic rule (``generic.py``: torch.func per example over its forward), when no child module below it
    holds a trainable parameter;
 5. otherwise none: the parameters are refused, one line per module class with the reason and the fix.
@@ -123,9 +125,11 @@ def attach_hooks(engine, module: nn.Module, refused: Optional[dict[int, tuple[st
         # a (1,) parameter (PReLU's weight, a learned scalar gain) is a scale, not a batch-first tensor: its view
         # (B,) would not broadcast over the batch; in a module with no trainable child the generic rule clips it
         scalar = any(mod._parameters[n].dim() == 1 for n in own)
-        if not has_registered_base(mod) and set(own) <= set(candidates) and not (leaf and scalar):
-            if views:
-                install(ParameterHook(engine, mod, name or "<root>", views))
+        # next to trainable children, a parameter of any shape is traced to where the forward broadcasts it
+        direct = [n for n in own if id(mod._parameters[n]) not in covered] if not leaf else views
+        if not has_registered_base(mod) and (not leaf or set(own) <= set(candidates) and not scalar):
+            if direct:
+                install(ParameterHook(engine, mod, name or "<root>", direct))
         elif leaf:
             install(GenericHook(engine, mod, name or type(mod).__name__, own))
     return hooks, covered, owned
@@ -144,9 +148,9 @@ def _reason(mod: nn.Module, names: list[str], owned: set[int]) -> str:
     children = ", ".join(_trainable_below(mod))
     why = (f"parameters of its own ({shapes}) used by {cls}'s forward next to child modules with trainable "
            f"parameters ({children}): the generic rule (torch.func per example over a module's forward) covers a "
-           "module's own parameters only when no child below it is trainable, and a parameter used directly next "
-           "to trainable children only when its first dimension is 1 and the forward broadcasts it over the batch "
-           "(a class token (1, 1, d), a position embedding (1, T, d))")
+           "module's own parameters only when no child below it is trainable, and parameters used directly next "
+           "to trainable children are traced to where the forward broadcasts them over the batch only in a module "
+           f"that is not a layer with a rule ({cls} is one)")
     detail = unsupported_reason(mod)
     if has_registered_base(mod) and not detail.startswith("no per-example rule"):
         why += f"; besides, {detail}"

@@ -35,6 +35,7 @@ from torch import nn
 
 from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
+from .broadcast import on_shared_indices
 from .clipping import ClipStats, clip_coefficients_sq, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
 from .layout import batch_checked_input, run_layout_check
@@ -51,9 +52,9 @@ class PerSampleEngine:
     """Per-example clipping for every trainable parameter of ``module``.
 
     Args:
-        module: any ``nn.Module``; every trainable parameter must belong to a supported layer, or be a
-            parameter of shape ``(1, ...)`` that its module's forward broadcasts over the batch (class token,
-            position embedding; ``parameters.py``).
+        module: any ``nn.Module``; every trainable parameter must belong to a supported layer, or be used
+            directly by its module's forward and broadcast over the batch (class token, position embedding,
+            layer scale; ``parameters.py``, ``broadcast.py``).
         max_grad_norm: C, the bound on each example's total gradient norm (``math.inf``: no clipping).
         clipping: ``"layer-wise"`` (one group per layer), ``"all-layer"`` (one group) or ``"group-wise"``.
         clipping_fn: ``"abadi"`` (``min(1, C/‖g‖)``) or ``"automatic"`` (``C/(‖g‖+γ)``).
@@ -247,6 +248,8 @@ class PerSampleEngine:
 
     def _forward(self, hook: LayerHook, x: torch.Tensor, extra: tuple[tuple, dict] = ((), {})) -> torch.Tensor:
         """One call of an attached layer (``extra``: a multi-input call's other arguments)."""
+        if (shared := on_shared_indices(self, hook, x, extra)) is not None:  # indices with no batch (broadcast.py)
+            return shared
         if not self.clipping_now():
             self._record_call(hook, (x, *extra[0]), extra[1])
             return hook.original_forward(x, extra)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 from .._collectives import sum_over_ranks
 from .base import UnsupportedLayerError
+from .broadcast import mark_shared_indices
 from .parameters import ParameterHook
 
 #: random projections per row of each recorded tensor
@@ -196,6 +197,7 @@ class _Recorder:
 
 def _record(engine, run_forward, index, b: int, vectors: _Vectors) -> _Recorder:
     rec = _Recorder(b, vectors)
+    rec.index = index  # this pass's re-indexing (broadcast.py tags shared values' copies by example)
     engine._layout = rec
     try:
         with torch.random.fork_rng(devices=_devices()), torch.no_grad():
@@ -322,12 +324,14 @@ def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any
         for m, mode in modes:
             m.training = mode
     failures = _failures(ref, new, s, b) if b >= 1 else []
-    bad, pending = float(bool(failures)), float(b < 2)
+    marked = mark_shared_indices(failures)  # embeddings on shared indices of length B: checked again as such
+    failures = [f for f in failures if f[0] not in marked]
+    bad, pending, again = float(bool(failures)), float(b < 2), float(bool(marked))
     world = getattr(collectives, "world_size", 1) if collectives is not None else 1
     if world > 1:
-        flags = sum_over_ranks(collectives, torch.tensor([bad, pending], dtype=torch.float32,
+        flags = sum_over_ranks(collectives, torch.tensor([bad, pending, again], dtype=torch.float32,
                                                           device=_reduce_device(engine)))
-        bad_all, pending = float(flags[0]), float(flags[1])
+        bad_all, pending, again = float(flags[0]), float(flags[1]), float(flags[2])
     else:
         bad_all = bad
     if failures:
@@ -335,6 +339,8 @@ def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any
     if bad_all:
         raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s) (their "
                                     "error names the layers); training stops before the first update.")
+    if again:  # every rank runs the check again (the same number of forwards on each: ZeRO-3's gathers)
+        return run_layout_check(engine, run_forward, batch_size, collectives)
     return pending == 0
 
 

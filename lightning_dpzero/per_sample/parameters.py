@@ -24,6 +24,11 @@ random state, and that perturbing the views of a set of examples changes no othe
 (With one example the views *are* ``P``, so its per-example gradient is exact whatever the forward does.)
 Under ZeRO-3 on several processes forwards gather parameters collectively, so every rank runs the check at
 its first clipped micro-batch, whatever its size, comparing only where it has two or more examples.
+
+A module whose direct parameters are not all of shape ``(1, ...)`` (ConvNeXt's layer scale ``(C,)``, CLIP's class
+embedding ``(d,)``, Mamba's ``A_log``; only next to trainable children, see ``coverage.py``) gives its forward
+shared values instead of views (``broadcast.py``): the copies ``P.expand(B, *P.shape)`` come from the same
+autograd function, and are substituted where the forward broadcasts each value over the batch.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .base import LayerHook, Site, UnsupportedLayerError
+from .broadcast import Origin, Shared, layout_copy
 from .generic import InstantiatedGradsRule
 
 
@@ -59,16 +65,18 @@ class BroadcastParameterFunction(torch.autograd.Function):
     returns its clipped sums for ``P_1, …, P_k``."""
 
     @staticmethod
-    def forward(ctx, hook, b, *params):
-        ctx.hook, ctx.b = hook, b
+    def forward(ctx, hook, b, whole, *params):
+        # whole: P.expand(B, *P.shape), the copies of shared values (broadcast.py); else (B, *S) for P (1, *S)
+        ctx.hook, ctx.b, ctx.whole = hook, b, whole
         ctx.save_for_backward(*params)
-        return tuple(p.expand(b, *p.shape[1:]) for p in params)
+        return tuple(p.expand(b, *p.shape[0 if whole else 1:]) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
         params = ctx.saved_tensors
-        site = Site(ctx.hook, torch.empty(ctx.b, 0, device=params[0].device), tuple(g.unsqueeze(1) for g in grads))
-        return (None, None, *ctx.hook.engine._on_backward(site, list(params)))
+        g = grads if ctx.whole else tuple(gi.unsqueeze(1) for gi in grads)
+        site = Site(ctx.hook, torch.empty(ctx.b, 0, device=params[0].device), g)
+        return (None, None, None, *ctx.hook.engine._on_backward(site, list(params)))
 
 
 def _batch_size(args, kwargs) -> Optional[int]:
@@ -104,11 +112,18 @@ class ParameterHook(LayerHook):
         self.params_ = [module._parameters[n] for n in names]
         super().__init__(engine, module, name, BroadcastParameterRule(names, self.params_))
         self.verified = False
+        # a parameter not of shape (1, ...) (ConvNeXt's layer scale (C,), CLIP's class embedding (d,)) is given to
+        # the forward as a shared value, traced to where the forward broadcasts it (broadcast.py)
+        self.shared = any(p.dim() == 0 or p.shape[0] != 1 for p in self.params_)
 
     def __call__(self, *args, **kwargs):
         eng = self.engine
         if not eng.clipping_now():
             eng._record_call(self, args, kwargs)
+            if self.shared and eng._layout is not None:  # the layout check records its broadcast points
+                origin = Origin(self, None, record=eng._layout)
+                values = [Shared(p, origin, layout_copy(p, eng._layout)) for p in self.params_]
+                return self._forward_with(self.rule.param_names, values, args, kwargs)
             return self.module_forward(*args, **kwargs)
         b = eng.expected_batch_size if eng.expected_batch_size is not None else _batch_size(args, kwargs)
         if b is None:
@@ -118,6 +133,13 @@ class ParameterHook(LayerHook):
                 "or inside PerSampleEngine.micro_batch(batch_size=...).")
         live = [p for p in self.params_ if p.requires_grad]
         names = [n for n, p in zip(self.rule.param_names, self.params_) if p.requires_grad]
+        if self.shared:
+            eng._register_site(self)
+            copies = BroadcastParameterFunction.apply(self, b, True, *live)
+            origin = Origin(self, b, check=not self.verified)
+            self.verified = self.verified or b >= 2
+            values = [Shared(p.detach().clone(), origin, (lambda c=c: c)) for p, c in zip(live, copies)]
+            return self._forward_with(names, values, args, kwargs)
         reference = None
         if not self.verified and (b >= 2 or self._collective_forward()):
             # Under ZeRO-3 on several ranks each forward gathers parameters collectively, so every rank checks on
@@ -126,7 +148,7 @@ class ParameterHook(LayerHook):
             reference = self._plain_forward(args, kwargs)
             self._check_locality(args, kwargs, b, names, live, reference)
         eng._register_site(self)
-        views = BroadcastParameterFunction.apply(self, b, *live)
+        views = BroadcastParameterFunction.apply(self, b, False, *live)
         out = self._forward_with(names, views, args, kwargs)
         if reference is not None:
             if b >= 2 and not _same_outputs(reference, out):
@@ -149,6 +171,8 @@ class ParameterHook(LayerHook):
             if grad:
                 try:
                     return self.module_forward(*args, **kwargs)
+                except UnsupportedLayerError:
+                    raise
                 except RuntimeError as e:
                     raise self._refusal(f"its forward failed with them ({e})") from e
             return self._plain_forward(args, kwargs)
