@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from ._collectives import sum_over_ranks
-from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_option
+from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_flag, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
 from .accounting.background import AccountingAhead, Answerer, check_accounting_worker, ledger_epsilon
 from .checkpoints.format import LEDGER_FILE
@@ -106,7 +106,7 @@ class PrivacyAccountantCallback(Callback):
         self.on_budget_exhausted = check_option(
             "on_budget_exhausted", on_budget_exhausted, OnBudgetExhausted,
             "'stop' ends training after the last step within the budget, 'raise' raises PrivacyBudgetExceeded.")
-        self.log_second_accountant = bool(log_second_accountant)
+        self.log_second_accountant = check_flag("log_second_accountant", log_second_accountant)
         self.accounting_worker = check_accounting_worker(accounting_worker)
         self._tracker = EpsilonTracker()
         self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
