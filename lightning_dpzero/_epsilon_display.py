@@ -7,8 +7,8 @@ up to the next decision point (:attr:`~lightning_dpzero.accounting.background.St
 decreases with more steps of the plan, so that value bounds ε after every step in between, and it is the value the
 next decision point logs (the same tracker evaluation, cached). The callback logs it as ``epsilon`` after each of
 those steps (the progress bar and ``trainer.callback_metrics`` show it; loggers write only the logged steps, whose
-value is that step's own), so nothing ever shows less than the ledger holds, and no step computes or exchanges
-anything more than one ``self.log``.
+value is that step's own), so nothing ever shows less than the ledger holds. It is logged when it changes (Lightning
+keeps showing the last value logged), so the steps in between compute, exchange and log nothing more than before.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def float64(pl_module, value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64, device=pl_module.device)
 
 
-def log_epsilon(pl_module, value: float) -> None:
-    """Log ``value`` (float64) as ``epsilon``, as at the logged steps."""
+def log_epsilon(pl_module, value: float) -> float:
+    """Log ``value`` (float64) as ``epsilon``, as at the logged steps; returns it."""
     log_dp_metric(pl_module, "epsilon", float64(pl_module, value))
+    return value
 
 
 def log_dp_metric(pl_module, name: str, value) -> None:

@@ -112,7 +112,7 @@ class PrivacyAccountantCallback(Callback):
         self._mean_grad_norm = MeanGradNorm(sync_on_compute=False)
         self._logged_steps = -1
         # ε shown after the steps between decision points, a bound for those up to _shown_through (_epsilon_display)
-        self._epsilon_shown, self._shown_through = 0.0, 0
+        self._epsilon_shown, self._shown_through, self._epsilon_logged = 0.0, 0, None
         self._first_log_done = False
         self._mechanism: Optional[DPMechanism] = None
         self._ahead: Optional[AccountingAhead] = None  # rank 0, while training
@@ -236,7 +236,7 @@ class PrivacyAccountantCallback(Callback):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._logged_steps = self.ledger.steps if self.ledger is not None else -1
-        self._first_log_done = False
+        self._first_log_done, self._epsilon_logged = False, None
         # the first step is always logged, so it is the next decision point: a span of one step
         answers = self._answers(trainer) if self._plan is not None else None
         self._decide(trainer, allowed=None if answers is None else answers.allowed_steps)
@@ -271,7 +271,8 @@ class PrivacyAccountantCallback(Callback):
             # small model is otherwise slowed by both); shown: the bound agreed at the last decision point
             if ledger.steps > self._shown_through:  # (a step past the span the bound was for: computed here, alike
                 self._epsilon_shown = self._tracker.epsilon(ledger)  # on every rank; not expected to happen)
-            log_epsilon(pl_module, self._epsilon_shown)
+            if self._epsilon_shown != self._epsilon_logged:  # (Lightning keeps showing the last value logged)
+                self._epsilon_logged = log_epsilon(pl_module, self._epsilon_shown)
             return
         # ε (the tracker's bound; with a budget, never above the target while within it) and the bound to show
         # until the next decision point are computed on rank 0 only and reach the other ranks through the
@@ -289,7 +290,7 @@ class PrivacyAccountantCallback(Callback):
                                                          None if answers is None else answers.allowed_steps)
         self._epsilon_shown = eps.pop(1)
         if not (logs or trainer.should_stop or not self._next_step_allowed):
-            log_epsilon(pl_module, eps[0])
+            self._epsilon_logged = log_epsilon(pl_module, eps[0])
             return  # (a step after which the budget stops or refuses the next is logged: the last of the fit)
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
@@ -303,6 +304,7 @@ class PrivacyAccountantCallback(Callback):
                                          if math.isfinite(norm_sum) else norm_sum)
         for name, value in metrics.items():
             log_dp_metric(pl_module, name, value)
+        self._epsilon_logged = eps[0]
 
     def _logs_this_step(self, trainer) -> bool:
         """Whether this step's metrics reach the loggers: Lightning writes per-step metrics every
