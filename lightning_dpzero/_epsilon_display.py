@@ -5,15 +5,19 @@ fifty step counts), so it happens at the callback's decision points only (the lo
 *What is logged*), ahead of the steps on a worker. Each decision point's answer also holds ε after the last step
 up to the next decision point (:attr:`~lightning_dpzero.accounting.background.StepAnswers.epsilon_ahead`): ε never
 decreases with more steps of the plan, so that value bounds ε after every step in between, and it is the value the
-next decision point logs (the same tracker evaluation, cached). The callback logs it as ``epsilon`` after each of
-those steps (the progress bar and ``trainer.callback_metrics`` show it; loggers write only the logged steps, whose
-value is that step's own), so nothing ever shows less than the ledger holds. It is logged when it changes (Lightning
-keeps showing the last value logged), so the steps in between compute, exchange and log nothing more than before.
+next decision point logs (the same tracker evaluation, cached). The callback logs it as ``epsilon_bound`` (the
+progress bar's ε, also in ``trainer.callback_metrics``, not sent to loggers) after each of those steps, and the step's
+own ε at each decision point, so the progress bar never shows less than the ledger holds; ``epsilon`` (the loggers'
+metric) stays the value of the step ``dp_steps`` names. It is logged when it changes (Lightning keeps showing the
+last value logged), so the steps in between compute, exchange and log nothing more than before.
 """
 
 from __future__ import annotations
 
 import torch
+
+#: the metric shown on the progress bar after every step
+BOUND = "epsilon_bound"
 
 #: the most steps one budget answer covers (with logging off, the steps between two decision points)
 MAX_SPAN = 1000
@@ -25,17 +29,18 @@ def float64(pl_module, value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64, device=pl_module.device)
 
 
-def log_epsilon(pl_module, value: float) -> float:
-    """Log ``value`` (float64) as ``epsilon``, as at the logged steps; returns it."""
-    log_dp_metric(pl_module, "epsilon", float64(pl_module, value))
+def log_epsilon_bound(pl_module, value: float) -> float:
+    """Log ``value`` (float64) as ``epsilon_bound``; returns it."""
+    log_dp_metric(pl_module, BOUND, float64(pl_module, value))
     return value
 
 
 def log_dp_metric(pl_module, name: str, value) -> None:
     """The one ``self.log`` call of every privacy metric (Lightning refuses a key logged again with other
-    arguments): per step, no ``sync_dist`` (every rank logs the same value), ``epsilon`` on the progress bar."""
-    pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "epsilon", batch_size=1,
-                  sync_dist=False, rank_zero_only=False)
+    arguments): per step, no ``sync_dist`` (every rank logs the same value); ``epsilon_bound`` on the progress bar
+    only (not to the loggers, which get ``epsilon`` at the logged steps)."""
+    pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == BOUND, logger=name != BOUND,
+                  batch_size=1, sync_dist=False, rank_zero_only=False)
 
 
 def display_span(trainer, span: int) -> int:

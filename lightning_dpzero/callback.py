@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from ._collectives import sum_over_ranks
-from ._epsilon_display import display_span, float64, log_dp_metric, log_epsilon, log_interval, steps_to_next_log
+from ._epsilon_display import (display_span, float64, log_dp_metric, log_epsilon_bound, log_interval,
+                               steps_to_next_log)
 from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_flag, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
 from .accounting.background import AccountingAhead, Answerer, check_accounting_worker, ledger_epsilon
@@ -76,7 +77,8 @@ class PrivacyAccountantCallback(Callback):
 
     Rank 0 prints one line with the privacy plan when training starts (σ, q, expected batch, planned steps,
     target ε, δ, N) and one with the ε spent (the ledger's, and the checkpoint that holds the ledger) when fit
-    ends.
+    ends, also by a SIGTERM or an exception. The progress bar shows ``epsilon_bound`` after every step, never below
+    the ledger's ε (:mod:`lightning_dpzero._epsilon_display`).
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy (one with a ``mechanism``, a DPMechanism).
@@ -272,7 +274,7 @@ class PrivacyAccountantCallback(Callback):
             if ledger.steps > self._shown_through:  # (a step past the span the bound was for: computed here, alike
                 self._epsilon_shown = self._tracker.epsilon(ledger)  # on every rank; not expected to happen)
             if self._epsilon_shown != self._epsilon_logged:  # (Lightning keeps showing the last value logged)
-                self._epsilon_logged = log_epsilon(pl_module, self._epsilon_shown)
+                self._epsilon_logged = log_epsilon_bound(pl_module, self._epsilon_shown)
             return
         # ε (the tracker's bound; with a budget, never above the target while within it) and the bound to show
         # until the next decision point are computed on rank 0 only and reach the other ranks through the
@@ -289,8 +291,8 @@ class PrivacyAccountantCallback(Callback):
         examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps,
                                                          None if answers is None else answers.allowed_steps)
         self._epsilon_shown = eps.pop(1)
+        self._epsilon_logged = log_epsilon_bound(pl_module, eps[0])  # this step's own
         if not (logs or trainer.should_stop or not self._next_step_allowed):
-            self._epsilon_logged = log_epsilon(pl_module, eps[0])
             return  # (a step after which the budget stops or refuses the next is logged: the last of the fit)
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
@@ -304,7 +306,6 @@ class PrivacyAccountantCallback(Callback):
                                          if math.isfinite(norm_sum) else norm_sum)
         for name, value in metrics.items():
             log_dp_metric(pl_module, name, value)
-        self._epsilon_logged = eps[0]
 
     def _logs_this_step(self, trainer) -> bool:
         """Whether this step's metrics reach the loggers: Lightning writes per-step metrics every

@@ -41,8 +41,8 @@ class Shown(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         ledger = self.accountant.ledger
-        self.rows.append((ledger.steps, float(trainer.progress_bar_metrics["epsilon"]),
-                          float(trainer.callback_metrics["epsilon"]), ledger.epsilon()))
+        self.rows.append((ledger.steps, float(trainer.progress_bar_metrics["epsilon_bound"]),
+                          float(trainer.callback_metrics["epsilon_bound"]), ledger.epsilon()))
         if ledger.steps == self.sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)
 
