@@ -39,8 +39,9 @@ def log_dp_metric(pl_module, name: str, value) -> None:
     """The one ``self.log`` call of every privacy metric (Lightning refuses a key logged again with other
     arguments): per step, no ``sync_dist`` (every rank logs the same value); ``epsilon_bound`` on the progress bar
     only (not to the loggers, which get ``epsilon`` at the logged steps)."""
-    pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == BOUND, logger=name != BOUND,
-                  batch_size=1, sync_dist=False, rank_zero_only=False)
+    bar = name == BOUND
+    pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=bar, logger=False if bar else None, batch_size=1,
+                  sync_dist=False, rank_zero_only=False)
 
 
 def display_span(trainer, span: int) -> int:

@@ -200,7 +200,6 @@ class DPMechanism:
     def _mark_noise_applied(self) -> None:
         self._noise_applied = True
 
-
     # ------------------------------------------------------------------------------------------ data and plan
     def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
                        ) -> DataLoader:
