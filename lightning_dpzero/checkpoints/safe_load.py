@@ -86,7 +86,8 @@ def escaping_paths(directory: Union[str, os.PathLike], tag: Optional[str] = None
     if tag:
         target = os.path.realpath(os.path.join(directory, tag))
         if os.path.commonpath([root, target]) != root or target == root:
-            problems.append(f"{LATEST_FILE}: the tag {tag!r} names {target}, outside the checkpoint directory")
+            where = "the checkpoint directory itself" if target == root else "outside the checkpoint directory"
+            problems.append(f"{LATEST_FILE}: the tag {tag!r} names {target}, {where}")
         elif os.path.lexists(target) and not os.path.isdir(target):
             problems.append(f"{LATEST_FILE}: the tag {tag!r} names {target}, which is not a folder")
     return problems

@@ -55,3 +55,24 @@ def test_a_checkpoint_whose_shards_lie_outside_it_is_refused_before_anything_is_
     with pytest.raises(UnsafeCheckpointError, match=match):
         convert_zero_checkpoint_with_ledger(ckpt, tmp_path / "model.ckpt")
     assert not sentinel.exists(), "loading the checkpoint ran code from outside it"
+
+
+def test_what_counts_as_a_path_outside_the_checkpoint(tmp_path):
+    """Only names are read: an absolute tag, the directory itself, a file as the tag, a linked shard are refused; a
+    checkpoint directory reached through a link (Lightning's ``save_last="link"``) is not."""
+    from lightning_dpzero.checkpoints.safe_load import escaping_paths
+
+    real = tmp_path / "real"
+    (real / "checkpoint").mkdir(parents=True)
+    (real / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (real / "latest").write_text("checkpoint")
+    os.symlink(real, tmp_path / "last.ckpt", target_is_directory=True)
+    assert escaping_paths(real) == escaping_paths(tmp_path / "last.ckpt") == []
+    for tag, why in [(str(tmp_path), "outside the checkpoint directory"), (".", "the checkpoint directory itself"),
+                     ("checkpoint/mp_rank_00_model_states.pt", "which is not a folder")]:
+        (real / "latest").write_text(tag)
+        assert [why in p for p in escaping_paths(real)] == [True], tag
+    (real / "latest").write_text("checkpoint")
+    os.symlink(tmp_path / "elsewhere.pt", real / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert escaping_paths(real) == [f"checkpoint/zero_pp_rank_0_mp_rank_00_optim_states.pt: a symbolic link (to "
+                                    f"{tmp_path / 'elsewhere.pt'})"]
