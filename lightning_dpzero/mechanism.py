@@ -77,7 +77,7 @@ class DPMechanism:
     Args:
         noise_multiplier: σ >= 0; ``None`` until the plan calibrates it from a target ε.
         max_grad_norm: C, the bound on each example's gradient norm (``math.inf`` only with σ = 0).
-        seed: seed of the noise and sampling streams (not in secure mode); ``None`` draws one from OS entropy.
+        seed: seed of the noise and sampling streams (not in secure mode); ``None``: OS entropy at every fit and load.
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         poisson_sampling: Poisson-sampled logical batches (default); ``False``: shuffled fixed-size batches.
         max_micro_batch_size: b, the most examples one micro-batch may hold (None: unbounded): larger Poisson
@@ -163,7 +163,7 @@ class DPMechanism:
 
     def attach(self, engine: PerSampleEngine, collectives: Optional[Collectives] = None) -> None:
         """Use ``engine`` (attached to the module) and ``collectives`` (the run's ranks; default one process).
-        Without a seed (and not in secure mode too, for the sampler) one is drawn from OS entropy, the same on
+        Without a seed (and not in secure mode too, for the sampler) a new one is drawn from OS entropy, the same on
         every rank: stage 0's shared noise stream needs it."""
         self.engine = engine
         self.collectives = collectives if collectives is not None else SingleProcess()
