@@ -149,13 +149,12 @@ class Answerer:
         ε is tightened to the exact ε there (:meth:`BudgetGuard.epsilon_upper_bound`), as it always was in
         order."""
         allowed = math.inf if self.guard is None else self._allowed(view, plan, int(span))
-        ahead = min(int(span), allowed)
-        later = self._logged_epsilon(view.after(int(ahead), *plan)) if ahead > 0 else None
-        if view.steps == 0:
-            return StepAnswers(0.0, 0.0 if self.second else None, allowed, 0.0 if later is None else later)
+        if view.steps == 0:  # (before the first step, which is a decision point: nothing shown ahead of it)
+            return StepAnswers(0.0, 0.0 if self.second else None, allowed)
         eps = self._logged_epsilon(view)
         eps2 = self.tracker.epsilon(view, accountant=self.second) if self.second else None
-        return StepAnswers(eps, eps2, allowed, eps if later is None else later)
+        ahead = int(min(int(span), allowed))  # the last step up to the next decision point that can be taken
+        return StepAnswers(eps, eps2, allowed, self._logged_epsilon(view.after(ahead, *plan)) if ahead > 0 else eps)
 
     def _logged_epsilon(self, view: LedgerView) -> float:
         return self.guard.epsilon_upper_bound(view) if self.guard is not None else self.tracker.epsilon(view)
