@@ -8,6 +8,7 @@ takes the clipping statistics (``take_stats``) and hands a ledger from its own s
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -329,7 +330,8 @@ class PrivacyAccountantCallback(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._close_accounting()
         if self.ledger is not None and self._plan is not None:  # (a SIGTERM, a refusal: the ε spent, as ever)
-            rank_zero_info(self._end_line(trainer))
+            with contextlib.suppress(Exception):  # (never in place of the exception that ended the fit)
+                rank_zero_info(self._end_line(trainer))
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
