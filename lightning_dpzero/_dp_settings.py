@@ -10,7 +10,7 @@ from torch import nn
 
 from . import _known_warnings, _refusals, _report
 from ._extensions import default_build_dir
-from ._options import LossReduction, check_option
+from ._options import LossReduction, check_flag, check_number, check_option
 from ._reduction import output_hook_managers, output_hooks_suspended
 from ._zero3_trace import another_backward_follows, keep_release_decisions_fresh
 from .mechanism import DPMechanism
@@ -52,6 +52,9 @@ class DPSettings:
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma, clipping_mode)
         self.clipping_mode = clipping_mode
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
+        check_number("seed", seed, integer=True, optional=True)
+        secure_mode, poisson_sampling = check_flag("secure_mode", secure_mode), check_flag("poisson_sampling",
+                                                                                            poisson_sampling)
         self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
                                      poisson_sampling=poisson_sampling, max_micro_batch_size=max_micro_batch_size)
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma

@@ -8,6 +8,7 @@ takes the clipping statistics (``take_stats``) and hands a ledger from its own s
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +19,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from ._collectives import sum_over_ranks
-from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_option
+from ._epsilon_display import (display_span, float64, log_dp_metric, log_epsilon_bound, log_interval,
+                               steps_to_next_log)
+from ._options import Accountant, AccountingWorker, OnBudgetExhausted, check_flag, check_option
 from .accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
 from .accounting.background import AccountingAhead, Answerer, check_accounting_worker, ledger_epsilon
 from .checkpoints.format import LEDGER_FILE
@@ -28,10 +31,6 @@ from .metrics import ClipFraction, MeanGradNorm
 from .privacy_plan import DEFAULT_DELTA, AccountingSettings
 
 __all__ = ["PrivacyAccountantCallback", "PrivacyBudgetExceeded"]
-
-#: the most steps one budget answer covers (with logging off, the steps between two decision points)
-MAX_SPAN = 1000
-
 
 class PrivacyAccountantCallback(Callback):
     """Privacy accounting for a :class:`DPDeepSpeedStrategy` run.
@@ -79,7 +78,8 @@ class PrivacyAccountantCallback(Callback):
 
     Rank 0 prints one line with the privacy plan when training starts (σ, q, expected batch, planned steps,
     target ε, δ, N) and one with the ε spent (the ledger's, and the checkpoint that holds the ledger) when fit
-    ends.
+    ends, also by a SIGTERM or an exception. The progress bar shows ``epsilon_bound`` after every step, never below
+    the ledger's ε (:mod:`lightning_dpzero._epsilon_display`).
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy (one with a ``mechanism``, a DPMechanism).
@@ -106,7 +106,7 @@ class PrivacyAccountantCallback(Callback):
         self.on_budget_exhausted = check_option(
             "on_budget_exhausted", on_budget_exhausted, OnBudgetExhausted,
             "'stop' ends training after the last step within the budget, 'raise' raises PrivacyBudgetExceeded.")
-        self.log_second_accountant = bool(log_second_accountant)
+        self.log_second_accountant = check_flag("log_second_accountant", log_second_accountant)
         self.accounting_worker = check_accounting_worker(accounting_worker)
         self._tracker = EpsilonTracker()
         self._guard = BudgetGuard(target_epsilon, self._tracker) if target_epsilon is not None else None
@@ -114,6 +114,8 @@ class PrivacyAccountantCallback(Callback):
         self._clip_fraction = ClipFraction(sync_on_compute=False)
         self._mean_grad_norm = MeanGradNorm(sync_on_compute=False)
         self._logged_steps = -1
+        # ε shown after the steps between decision points, a bound for those up to _shown_through (_epsilon_display)
+        self._epsilon_shown, self._shown_through, self._epsilon_logged = 0.0, 0, None
         self._first_log_done = False
         self._mechanism: Optional[DPMechanism] = None
         self._ahead: Optional[AccountingAhead] = None  # rank 0, while training
@@ -196,7 +198,7 @@ class PrivacyAccountantCallback(Callback):
             self._start_accounting()
         plan = self._plan
         return self._ahead.answers(self.ledger, plan.sample_rate, plan.noise_multiplier, plan.sampler_kind,
-                                   plan.micro_batch_bound, span=span, next_span=_log_interval(trainer))
+                                   plan.micro_batch_bound, span=span, next_span=log_interval(trainer))
 
     @property
     def _next_step_allowed(self) -> bool:
@@ -237,7 +239,7 @@ class PrivacyAccountantCallback(Callback):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._logged_steps = self.ledger.steps if self.ledger is not None else -1
-        self._first_log_done = False
+        self._first_log_done, self._epsilon_logged = False, None
         # the first step is always logged, so it is the next decision point: a span of one step
         answers = self._answers(trainer) if self._plan is not None else None
         self._decide(trainer, allowed=None if answers is None else answers.allowed_steps)
@@ -267,37 +269,45 @@ class PrivacyAccountantCallback(Callback):
         self._logged_steps = ledger.steps
         logs = self._logs_this_step(trainer)
         # nothing to log, and the budget was agreed to allow the next step: no ε, no collective, and the statistics
-        # dropped unread (a step of a small model is otherwise slowed by all three: the read waits for the device)
+        # dropped unread (a step of a small model is otherwise slowed by all three: the read waits for the device);
+        # shown: the bound agreed at the last decision point
         stats = self._mechanism.take_stats(read=bool(logs or not self._next_step_allowed))
         if stats is None:
+            if ledger.steps > self._shown_through:  # (a step past the span the bound was for: computed here, alike
+                self._epsilon_shown = self._tracker.epsilon(ledger)  # on every rank; not expected to happen)
+            if self._epsilon_shown != self._epsilon_logged:  # (Lightning keeps showing the last value logged)
+                self._epsilon_logged = log_epsilon_bound(pl_module, self._epsilon_shown)
             return
-        # ε (the tracker's bound; with a budget, never above the target while within it) is computed on rank 0
-        # only and reaches the other ranks through the statistics' all-reduce (0 elsewhere: the sum is rank 0's)
-        eps = [0.0] * (1 + bool(self.log_second_accountant))
-        answers = self._answers(trainer, _steps_to_next_log(trainer))
+        # ε (the tracker's bound; with a budget, never above the target while within it) and the bound to show
+        # until the next decision point are computed on rank 0 only and reach the other ranks through the
+        # statistics' all-reduce (0 elsewhere: the sum is rank 0's)
+        eps = [0.0] * (2 + bool(self.log_second_accountant))
+        span = display_span(trainer, steps_to_next_log(trainer))
+        self._shown_through = ledger.steps + span
+        answers = self._answers(trainer, span)
         if answers is not None:
-            eps[0] = answers.epsilon
+            eps[0], eps[1] = answers.epsilon, answers.epsilon_ahead
             if self.log_second_accountant:
-                eps[1] = answers.epsilon_second
+                eps[2] = answers.epsilon_second
         local = [float(stats.examples), float(stats.clipped), stats.norm_sum]
         examples, clipped, norm_sum, *eps = self._decide(trainer, local + eps,
                                                          None if answers is None else answers.allowed_steps)
+        self._epsilon_shown = eps.pop(1)
+        self._epsilon_logged = log_epsilon_bound(pl_module, eps[0])  # this step's own
         if not (logs or trainer.should_stop or not self._next_step_allowed):
             return  # (a step after which the budget stops or refuses the next is logged: the last of the fit)
         metrics = {"epsilon": eps[0], "delta": self.delta, "noise_multiplier": plan.noise_multiplier,
                    "sample_rate": plan.sample_rate, "dp_steps": float(ledger.steps)}
         if self.log_second_accountant:
             metrics[f"epsilon_{self.second_accountant}"] = eps[1]
-        # float64 tensors: Lightning keeps their dtype (a Python float would be stored as float32)
-        metrics = {k: torch.tensor(v, dtype=torch.float64, device=pl_module.device) for k, v in metrics.items()}
+        metrics = {k: float64(pl_module, v) for k, v in metrics.items()}
         if examples:  # the sums over every rank's examples of the step
             metrics["clip_fraction"] = _step_value(self._clip_fraction, clipped, examples)
             # an fp16 overflow (a step DeepSpeed skips) can make a norm inf or NaN: logged as it is
             metrics["mean_grad_norm"] = (_step_value(self._mean_grad_norm, norm_sum, examples)
                                          if math.isfinite(norm_sum) else norm_sum)
         for name, value in metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "epsilon",
-                          batch_size=1, sync_dist=False, rank_zero_only=False)
+            log_dp_metric(pl_module, name, value)
 
     def _logs_this_step(self, trainer) -> bool:
         """Whether this step's metrics reach the loggers: Lightning writes per-step metrics every
@@ -320,6 +330,9 @@ class PrivacyAccountantCallback(Callback):
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._close_accounting()
+        if self.ledger is not None and self._plan is not None:  # (a SIGTERM, a refusal: the ε spent, as ever)
+            with contextlib.suppress(Exception):  # (never in place of the exception that ended the fit)
+                rank_zero_info(self._end_line(trainer))
 
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -397,20 +410,6 @@ def _checkpoint_with(trainer, ledger: PrivacyLedger) -> Optional[tuple[str, int]
             if saved.run_id == ledger.run_id and (best is None or json_path.stat().st_mtime > best[0]):
                 best = (json_path.stat().st_mtime, path, saved.steps)
     return None if best is None else best[1:]
-
-
-def _log_interval(trainer) -> int:
-    """Steps between two logged steps: ``Trainer(log_every_n_steps=...)``, ``MAX_SPAN`` when it is 0 (never)."""
-    every = int(getattr(trainer, "log_every_n_steps", 1) or 0)
-    return min(every, MAX_SPAN) if every > 0 else MAX_SPAN
-
-
-def _steps_to_next_log(trainer) -> int:
-    """Optimizer steps from the one ending now to the next whose metrics Lightning writes (the step counter of
-    ``trainer._logger_connector.should_update_logs``), at least 1; the span the budget is asked to cover."""
-    every = _log_interval(trainer)
-    done = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", 0)
-    return every - (int(done) + 1) % every
 
 
 def _step_value(metric, total: float, examples: float) -> float:

@@ -187,13 +187,14 @@ def _ledger_parser() -> argparse.ArgumentParser:
 
 def ledger_main(argv: Sequence[str]) -> int:
     """``lightning-dpzero ledger ...``; returns the exit status (0 OK, 1 failure, 2 usage error)."""
+    from .accounting.accountants import AccountingRangeError
     from .ledger_report import quiet_logs
 
     args = _ledger_parser().parse_args(list(argv))
     try:
         with quiet_logs():
             return args.func(args)
-    except CLIError as exc:
+    except (CLIError, AccountingRangeError) as exc:
         print(f"lightning-dpzero ledger {args.command}: {exc}", file=sys.stderr)
         return 1
 

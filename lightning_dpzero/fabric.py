@@ -36,7 +36,8 @@ from ._launch import FabricDeepSpeedLaunchMixin
 from .accounting.background import check_accounting_worker
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
-from ._options import Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LossReduction, check_option
+from ._options import (Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LossReduction,
+                       check_loop_bounds, check_option)
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
 from .per_sample.layout import reindex_batch
@@ -130,7 +131,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                                "Call it before setting up the training loader.")
         self.accounting = AccountingSettings(target_epsilon, delta, check_option("accountant", accountant, Accountant))
         self.mechanism.use_accounting(self.accounting)
-        self.max_steps, self.max_epochs = max_steps, max_epochs
+        self.max_steps, self.max_epochs = check_loop_bounds(max_steps, max_epochs)
         worker = check_accounting_worker(accounting_worker)
         if getattr(self, "steps", None) is not None:
             self.steps.close()

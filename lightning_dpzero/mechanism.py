@@ -39,7 +39,7 @@ from ._micro_batch import logging_suppressed, non_finite_loss_message, without_r
 from ._step_counts import ChargedUpdates, StepCounts
 from .accounting import PrivacyLedger
 from .accounting.truncation import check_max_micro_batch_size
-from .noise import NoiseSource, derive_stream_seed, make_noise_pre_hook, warn_explicit_seed
+from .noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
 from .shards import private_training_loader
@@ -77,7 +77,7 @@ class DPMechanism:
     Args:
         noise_multiplier: σ >= 0; ``None`` until the plan calibrates it from a target ε.
         max_grad_norm: C, the bound on each example's gradient norm (``math.inf`` only with σ = 0).
-        seed: seed of the noise and sampling streams (not in secure mode); ``None`` draws one from OS entropy.
+        seed: seed of the noise and sampling streams (not in secure mode); ``None``: OS entropy at every fit and load.
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         poisson_sampling: Poisson-sampled logical batches (default); ``False``: shuffled fixed-size batches.
         max_micro_batch_size: b, the most examples one micro-batch may hold (None: unbounded): larger Poisson
@@ -124,7 +124,7 @@ class DPMechanism:
         self.max_grad_norm = max_grad_norm
         self.seed, self.secure_mode, self.poisson_sampling = seed, secure_mode, poisson_sampling
         self.max_micro_batch_size = check_max_micro_batch_size(max_micro_batch_size)
-        self._base_seed = seed  # the seed given (or drawn at attach); every stream seed is derived from it
+        self._seeds = StreamSeeds(seed)  # the seed given, or one drawn from OS entropy at every fit
         self.accounting = AccountingSettings()
         self.plan: Optional[PrivacyPlan] = None      #: fixed by fix_plan / use_plan
         self.ledger: Optional[PrivacyLedger] = None  #: opened with the plan
@@ -163,18 +163,16 @@ class DPMechanism:
 
     def attach(self, engine: PerSampleEngine, collectives: Optional[Collectives] = None) -> None:
         """Use ``engine`` (attached to the module) and ``collectives`` (the run's ranks; default one process).
-        Without a seed (and not in secure mode too, for the sampler) one is drawn from OS entropy, the same on
+        Without a seed (and not in secure mode too, for the sampler) a new one is drawn from OS entropy, the same on
         every rank: stage 0's shared noise stream needs it."""
         self.engine = engine
         self.collectives = collectives if collectives is not None else SingleProcess()
         self._stop_requested = self.stop_agreed = False
-        if self._base_seed is None:
-            seed = secrets.randbits(62)
-            self._base_seed = int(self.collectives.broadcast(seed)) if self.collectives.world_size > 1 else seed
-        elif not self.secure_mode:
+        self._renew_seed()
+        if self._seeds.given is not None and not self.secure_mode:
             warn_explicit_seed()
-        # a fit that continues a ledger (a second fit of the same Trainer) must not replay the streams of the
-        # fit that started it: the streams follow the ledger's position, as after a resume
+        # a fit that continues a ledger (a second fit of the same Trainer) must not replay the streams of any
+        # earlier fit: a fresh seed per fit, or (explicit seed) one derived from the position and the fit number
         self.seed = self.stream_seed(self.ledger)
 
     def detach(self) -> None:
@@ -201,7 +199,6 @@ class DPMechanism:
 
     def _mark_noise_applied(self) -> None:
         self._noise_applied = True
-
 
     # ------------------------------------------------------------------------------------------ data and plan
     def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
@@ -257,23 +254,28 @@ class DPMechanism:
         With an explicit seed, a resumed process would restart the noise stream at its first draw, so the steps
         after the checkpoint would reuse the noise of the run's first steps: the difference of two released
         updates would then cancel the noise exactly. A new seed is derived from the seed and the ledger's
-        position (deterministic, the same on every rank) for the noise and for the sampler built after this."""
+        position (deterministic, the same on every rank) for the noise and for the sampler built after this.
+        Without one, a fresh seed is drawn. A later load (a rollback) replaces the ledger restored before."""
+        self._restored = None  # a new load: its ledger, not an earlier load's, is the one the others must match
         self.restore_ledger(ledger)
         if self.secure_mode or self._noise_handle is None:  # secure: no seed to reuse; not fitting: no hook
             return
+        self._renew_seed()  # (a rollback must not restart this fit's streams either)
         self.seed = self.stream_seed(ledger)
         self._noise_handle.remove()
         optimizer, replicated = self._noise_target
         self.install_noise(optimizer, replicated=replicated)
+
+    def _renew_seed(self) -> None:
+        many = self.collectives.world_size > 1
+        self._seeds.renew(lambda s: self.collectives.broadcast(s) if many else s)
 
     def stream_seed(self, ledger: Optional[PrivacyLedger]) -> Optional[int]:
         """The seed of the noise and sampling streams of a fit that continues ``ledger``: the seed given (or
         drawn) for a new ledger, else one derived from it and the ledger's position (run id, steps, head hash),
         the same on every rank and for every process that continues the ledger from that position, and distinct
         for every position, so no two fits of one lineage draw the same noise or batches."""
-        if self._base_seed is None or ledger is None or ledger.steps == 0:
-            return self._base_seed
-        return derive_stream_seed(self._base_seed, ledger.run_id, ledger.steps, ledger.head)
+        return self._seeds.for_position(ledger)
 
     # ------------------------------------------------------------------------------------------ per micro-batch
     def training_step(self, run: Callable[[], Any], batch_size: Optional[int], *, module: Any = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import secrets
 from typing import Callable, Optional
 
 import numpy as np
@@ -122,15 +123,62 @@ def warn_explicit_seed() -> None:
     rank_zero_warn(EXPLICIT_SEED_WARNING)
 
 
-def derive_stream_seed(seed: int, run_id: str, steps: int, head: str) -> int:
+def derive_stream_seed(seed: int, run_id: str, steps: int, head: str, fit: int = 0) -> int:
     """A 62-bit seed for the streams of a fit that continues a ledger at (run id, steps, head hash) from the run's
     ``seed``: deterministic (every rank, every process continuing from that position, gets it) and distinct per
-    position, so no two fits of one lineage replay each other's noise or batches.
+    position and per ``fit`` (the number of earlier fits of the same process), so no two fits of one lineage replay
+    each other's noise or batches, and neither do two fits of one process that start from the same position.
 
     Example:
         >>> a, b = derive_stream_seed(5, "run", 3, "ab"), derive_stream_seed(5, "run", 6, "cd")
-        >>> a == derive_stream_seed(5, "run", 3, "ab"), a != b
-        (True, True)
+        >>> a == derive_stream_seed(5, "run", 3, "ab"), a != b, a != derive_stream_seed(5, "run", 3, "ab", fit=1)
+        (True, True, True)
     """
-    digest = hashlib.sha256(f"{seed}:{run_id}:{steps}:{head}".encode()).digest()
+    extra = f":{fit}" if fit else ""  # (a process's first fit: the seed as before, so resumes reproduce)
+    digest = hashlib.sha256(f"{seed}:{run_id}:{steps}:{head}{extra}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
+
+
+class StreamSeeds:
+    """The seed of each fit's noise and sampling streams (docs/reliability.md, *Rollbacks*).
+
+    The streams are renewed (:meth:`renew`) when a fit starts and when a checkpoint is loaded. Without an explicit
+    seed each renewal draws a fresh 62-bit seed from OS entropy (the same on every rank): two fits from one
+    checkpoint, or the steps after a rollback to an earlier checkpoint, never share noise, and no seed is stored
+    anywhere. With an explicit ``seed`` the streams are reproducible: a process's first fit uses the seed (a fresh
+    ledger) or :func:`derive_stream_seed` of it and the ledger's position; every later renewal of the same process
+    also mixes in its number, so a rollback inside one process never repeats noise. Two *processes* resumed from
+    one checkpoint with the same explicit seed do draw the same noise: that is what the seed reproduces
+    (:data:`EXPLICIT_SEED_WARNING`).
+
+    Example:
+        >>> seeds = StreamSeeds(None)
+        >>> seeds.renew(lambda s: s); first = seeds.for_position(None)
+        >>> seeds.renew(lambda s: s); first != seeds.for_position(None)  # fresh OS entropy at every renewal
+        True
+        >>> seeds = StreamSeeds(7)
+        >>> seeds.renew(lambda s: s); seeds.for_position(None)
+        7
+    """
+
+    def __init__(self, seed: Optional[int]):
+        self.given = seed    #: the user's seed (None: none)
+        self.base = seed     #: the current streams' seed (drawn at :meth:`renew` without a given one)
+        self.renewals = 0    #: fits started and checkpoints loaded by this process
+
+    def renew(self, broadcast: Callable[[int], int]) -> None:
+        """A fit starts or a checkpoint was loaded; ``broadcast`` hands rank 0's value to every rank (the drawn
+        seed must agree)."""
+        self.renewals += 1
+        if self.given is None:
+            self.base = int(broadcast(secrets.randbits(62)))
+
+    def for_position(self, ledger) -> Optional[int]:
+        """The streams' seed of a fit that continues ``ledger`` (None or empty: a new ledger)."""
+        if self.base is None or self.given is None:
+            return self.base
+        fit = max(self.renewals - 1, 0)
+        if (ledger is None or ledger.steps == 0) and fit == 0:
+            return self.base
+        steps, run_id, head = (0, "", "") if ledger is None else (ledger.steps, ledger.run_id, ledger.head)
+        return derive_stream_seed(self.base, run_id, steps, head, fit)

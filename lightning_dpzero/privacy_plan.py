@@ -16,7 +16,7 @@ from typing import Optional
 from lightning_utilities.core.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 
-from ._options import Accountant, Sampler, check_option
+from ._options import Accountant, Sampler, check_number, check_option
 from .accounting import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
 from .accounting.accountants import _check_delta
 from .accounting.truncation import (MAX_SHARE, MicroBatchBound, smallest_micro_batch_bound, step_probability,
@@ -51,7 +51,8 @@ class AccountingSettings:
     accountant: Accountant = "pld"
 
     def __post_init__(self) -> None:
-        eps = self.target_epsilon
+        eps = check_number("target_epsilon", self.target_epsilon, optional=True)
+        check_number("delta", self.delta)
         if eps is not None and not (eps > 0 and math.isfinite(eps)):
             raise ValueError(f"target_epsilon must be a finite number > 0, got {eps!r}.")
         _check_delta(self.delta)

@@ -254,3 +254,19 @@ def test_closed_stdout_pipe_exits_quietly(ledger_file):
     err = err.decode()
     assert "BrokenPipeError" not in err and "Traceback" not in err, err
     assert proc.returncode == 141
+
+
+@pytest.mark.parametrize("q, sigma, steps, error", [(0.01, 1.0, 10**15, "OverflowError"),
+                                                     (0.01, 1e300, 5, "OverflowError"),
+                                                     (0.5, 1e-300, 5, "ZeroDivisionError")])
+@pytest.mark.parametrize("command", [["show"], ["show", "--json"], ["verify"]])
+def test_a_ledger_with_absurd_numbers_gets_a_clear_message(tmp_path, capsys, q, sigma, steps, error, command):
+    ledger = PrivacyLedger(delta=1e-5, dataset_size=100)
+    ledger.charge(q, sigma, steps=steps)
+    ledger.save(tmp_path / "privacy_ledger.json")
+    assert main(["ledger", *command, str(tmp_path / "privacy_ledger.json")]) == 1
+    err = capsys.readouterr().err
+    runs = re.escape(f"(q={q!r}, sigma={sigma!r}, steps={steps})")
+    assert re.search(rf"epsilon cannot be computed for the runs {runs}.*"
+                     rf"outside what dp-accounting can evaluate \({error}.*Check the entries", err), err
+    assert "Traceback" not in err

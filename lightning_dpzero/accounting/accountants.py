@@ -208,10 +208,23 @@ def epsilon_bound(entries: Iterable, delta: float, accountant: str = "pld",
     """
     _check_accountant(accountant)
     entries = list(entries)
-    p = truncation_probability(entries)
-    if p > 0.0:
-        return _truncated_bound(_as_runs(entries), _check_delta(delta), accountant, p)
-    return _bound_of_runs(_as_runs(entries), _check_delta(delta), accountant, value_discretization_interval)
+    try:
+        p = truncation_probability(entries)
+        if p > 0.0:
+            return _truncated_bound(_as_runs(entries), _check_delta(delta), accountant, p)
+        return _bound_of_runs(_as_runs(entries), _check_delta(delta), accountant, value_discretization_interval)
+    except (OverflowError, ZeroDivisionError, FloatingPointError, MemoryError) as exc:
+        runs = ", ".join(f"(q={r[0]!r}, sigma={r[1]!r}, steps={r[2]})" for r in _as_runs(entries)[:3])
+        raise AccountingRangeError(
+            f"epsilon cannot be computed for the runs {runs}{' …' if len(entries) > 3 else ''} at delta={delta!r} "
+            f"({accountant}): these numbers are outside what dp-accounting can evaluate ({type(exc).__name__}: "
+            f"{str(exc)[:120]}). Check the entries: a training run's sigma is about 0.3 to 100 and its steps at "
+            "most millions.") from exc
+
+
+class AccountingRangeError(ValueError):
+    """ε of a ledger's entries cannot be evaluated: its numbers (σ, q, steps) overflow the accountant's arithmetic
+    or its memory (e.g. 10^15 steps, σ = 1e300)."""
 
 
 def compute_epsilon(entries: Iterable, delta: float, accountant: str = "pld",

@@ -107,6 +107,9 @@ class StepAnswers(NamedTuple):
     epsilon_second: Optional[float]  #: the other accountant's, when asked for
     allowed_steps: float             #: how many more steps of the plan fit the budget, counted up to the span
     #: (0: not the next one; ``inf`` without a budget)
+    #: ε (as ``epsilon``) after the last of the next ``span`` steps that fit the budget: an upper bound on ε after
+    #: each of them, shown until the next decision point (lightning_dpzero._epsilon_display)
+    epsilon_ahead: float = 0.0
 
     @property
     def allows_next_step(self) -> bool:
@@ -146,11 +149,15 @@ class Answerer:
         ε is tightened to the exact ε there (:meth:`BudgetGuard.epsilon_upper_bound`), as it always was in
         order."""
         allowed = math.inf if self.guard is None else self._allowed(view, plan, int(span))
-        if view.steps == 0:
+        if view.steps == 0:  # (before the first step, which is a decision point: nothing shown ahead of it)
             return StepAnswers(0.0, 0.0 if self.second else None, allowed)
-        eps = self.guard.epsilon_upper_bound(view) if self.guard is not None else self.tracker.epsilon(view)
+        eps = self._logged_epsilon(view)
         eps2 = self.tracker.epsilon(view, accountant=self.second) if self.second else None
-        return StepAnswers(eps, eps2, allowed)
+        ahead = int(min(int(span), allowed))  # the last step up to the next decision point that can be taken
+        return StepAnswers(eps, eps2, allowed, self._logged_epsilon(view.after(ahead, *plan)) if ahead > 0 else eps)
+
+    def _logged_epsilon(self, view: LedgerView) -> float:
+        return self.guard.epsilon_upper_bound(view) if self.guard is not None else self.tracker.epsilon(view)
 
     def _allowed(self, view: LedgerView, plan: tuple, span: int) -> int:
         """``span`` when the ledger after ``span`` more steps is within the budget (ε is non-decreasing in the

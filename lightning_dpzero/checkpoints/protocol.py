@@ -23,6 +23,7 @@ from ..accounting import PrivacyLedger
 from .commit import (CheckpointIntegrityError, check_commit_matches, checkpoint_files, file_digest, file_problems,
                      raise_file_problems, write_commit)
 from .format import COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY
+from .safe_load import raise_escaping_paths
 from .verify import check_ledgers, check_steps_cover, check_world_size, raise_unsafe, require_commit, scan_problems
 
 
@@ -129,6 +130,8 @@ class CheckpointProtocol:
         marker (None for a path that is not a directory, or has none).
 
         Raises:
+            UnsafeCheckpointError: a link in the directory, or a ``latest`` tag naming a folder outside it (first);
+                a file holds objects that unpickling could execute.
             IncompleteCheckpointError: no marker (the save was interrupted, or the marker was removed).
             CheckpointIntegrityError: the files, the ledgers, the marker or the step counts disagree.
             UnsafeCheckpointError: a file holds objects that unpickling could execute.
@@ -137,6 +140,7 @@ class CheckpointProtocol:
         path = Path(checkpoint_path)
         if not path.is_dir():
             return None
+        self._agreed(lambda: raise_escaping_paths(path))  # every file DeepSpeed opens is one the checks below see
         commit = self._agreed(lambda: require_commit(path, required, trust_pickles))
         if commit is None:
             if not required:

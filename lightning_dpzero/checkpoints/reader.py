@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 from ..accounting import LedgerIntegrityError, PrivacyLedger
 from .format import CALLBACK_STATE_KEY, DEFAULT_TAG, LEDGER_FILE, LEDGER_KEY, MODEL_STATES_FILES
+from .safe_load import raise_escaping_paths
 
 PathLike = Union[str, os.PathLike]
 
@@ -131,6 +132,7 @@ def checkpoint_ledger(ckpt_dir: PathLike, tag: Optional[str] = None) -> PrivacyL
         pickle.UnpicklingError: no JSON copy, and the client state needs full unpickling.
     """
     ckpt_dir = Path(ckpt_dir)
+    raise_escaping_paths(ckpt_dir, tag)  # (the export then lets DeepSpeed's converter unpickle the tag folder)
     copies: dict[str, PrivacyLedger] = {}
     json_path = ckpt_dir / LEDGER_FILE
     if json_path.is_file():

@@ -26,7 +26,7 @@ from .commit import (CheckpointIntegrityError, IncompleteCheckpointError, check_
                      raise_file_problems, read_commit)
 from .format import COMMIT_FILE, LEDGER_FILE
 from .reader import CheckpointReadError, ledgers_in_state, model_states_file, read_client_state, same_ledger
-from .safe_load import UnsafeCheckpointError, unsafe_pickle_reason
+from .safe_load import UnsafeCheckpointError, raise_escaping_paths, unsafe_pickle_reason
 
 
 class ClientState(NamedTuple):
@@ -175,7 +175,8 @@ def verify_checkpoint(path: Union[str, os.PathLike], trust: bool = False) -> dic
     Raises:
         IncompleteCheckpointError: no marker (an interrupted save, or a marker removed).
         CheckpointIntegrityError: files, ledgers, the marker or the step counts disagree.
-        UnsafeCheckpointError: a file holds objects that unpickling could execute (unless ``trust``).
+        UnsafeCheckpointError: a file holds objects that unpickling could execute (unless ``trust``); a link in the
+            directory or a ``latest`` tag naming a folder outside it (always).
         LedgerIntegrityError: a ledger copy fails its hash chain.
     """
     return verify_directory(Path(path), trust)[0]
@@ -188,6 +189,7 @@ def verify_directory(directory: Path, trust: bool = False, unsafe_as_note: bool 
     ``--trust-checkpoint``: the privacy record is still checked; resuming refuses such a checkpoint)."""
     from .commit import checkpoint_files
 
+    raise_escaping_paths(directory)
     commit = require_commit(directory, required=True, trust=trust)
     if commit is None:
         raise IncompleteCheckpointError(f"{directory} has no {COMMIT_FILE}: not a complete DPDeepSpeedStrategy "
