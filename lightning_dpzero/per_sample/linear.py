@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
-from .maths import (DOT_MAX, add_weighted_rows, batch_rows, joined, joint_rows, param_shape, per_example_sq, rows_matmul,
-                    rows_norm_sq, rows_per_example, rows_sq, split_sum, weighted_rows_grad, weighted_sum,
-                    weighted_sum_parts)
+from .maths import (DOT_MAX, add_weighted_rows, batch_rows, joined, joint_rows, param_shape, per_example_sq,
+                    rows_matmul, rows_norm_sq, rows_per_example, rows_sq, split_sum, weighted_rows_grad,
+                    weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
 
@@ -57,9 +57,11 @@ class LinearRule(LayerRule):
 
     def _instantiate_with_bias(self, module, x, g):
         """Per-example weight gradients and bias rows side by side in one buffer (:func:`.maths.joint_rows`), or
-        ``None`` where a subclass forms its per-example gradients its own way or they are too large for one dot."""
-        cls = type(self)
-        if cls._instantiate is not LinearRule._instantiate or cls._instantiate_parts is not LinearRule._instantiate_parts:
+        ``None`` where a subclass forms its per-example gradients its own way or they are too large for one
+        dot."""
+        own = type(self)
+        if (own._instantiate is not LinearRule._instantiate
+                or own._instantiate_parts is not LinearRule._instantiate_parts):
             return None
         a, gg = self._rows(module, x, g)
         B, d, p = a.shape[0], a.shape[-1], gg.shape[-1]
@@ -128,14 +130,17 @@ class LinearRule(LayerRule):
         bias = getattr(site.module, "bias", None)
         return "per_example" in site.kept and ("bias_rows" in site.kept or bias is None or not bias.requires_grad)
 
-    def clipped_grads(self, site, coef, mask):
+    scales_sums = True
+
+    def clipped_grads(self, site, coef, mask, alpha=1.0):
         module, x, g = site.module, site.x, site.g
         w = b = None
         kept = site.kept
         both = [kept["per_example"][0], kept["bias_rows"]] if "bias_rows" in kept and "per_example" in kept else None
         if both is not None and len(mask) > 1 and mask[0] and mask[1] and joined(both) is not None:
             del site.kept["per_example"], site.kept["bias_rows"]
-            return split_sum(weighted_sum(joined(both), coef).to(site.dtype), both)
+            return split_sum(weighted_sum(joined(both), coef, alpha).to(site.dtype), both)
+        coef = coef if alpha == 1.0 else coef * alpha
         if mask[0]:
             parts = site.kept.pop("per_example", None)
             w = (weighted_sum_parts(parts, coef).to(site.dtype) if parts is not None

@@ -203,13 +203,18 @@ def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
     return g2.mm(a2) if out is None else out.addmm_(g2, a2)
 
 
-def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``; for
-    the transposed ``(B, p, d)`` view of :func:`rows_per_example`, the transposed sum of its contiguous form."""
+def weighted_sum(per: torch.Tensor, coef: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``alpha · Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product (``alpha`` in it),
+    shape ``per.shape[1:]``; for the transposed ``(B, p, d)`` view of :func:`rows_per_example`, the transposed sum
+    of its contiguous form."""
     if per.dim() == 3 and not per.is_contiguous() and per.transpose(1, 2).is_contiguous():
-        return weighted_sum(per.transpose(1, 2), coef).t()
+        return weighted_sum(per.transpose(1, 2), coef, alpha).t()
     # (B, n) explicitly, not flatten(1): a scalar parameter's per-example gradients are (B,), and B may be 0
-    return coef.to(per.dtype).view(1, -1).mm(per.reshape(per.shape[0], math.prod(per.shape[1:]))).view(per.shape[1:])
+    rows, c = per.reshape(per.shape[0], math.prod(per.shape[1:])), coef.to(per.dtype).view(1, -1)
+    if alpha == 1.0 or rows.shape[0] == 0:
+        return c.mm(rows).view(per.shape[1:])
+    # beta=0: the input (any row of the right shape) is not read, NaN or not
+    return torch.addmm(rows[:1], c, rows, beta=0, alpha=alpha).view(per.shape[1:])
 
 
 def add_weighted_rows(into: Optional[torch.Tensor], per: torch.Tensor, coef: torch.Tensor) -> bool:

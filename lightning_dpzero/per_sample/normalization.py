@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError
-from .maths import add_weighted_rows, joined, joint_rows, param_shape, rows_sq, split_sum
+from .maths import add_weighted_rows, joined, joint_rows, param_shape, rows_sq, split_sum, weighted_sum
 from .paths import may_keep
 from .registry import register_rule
 
@@ -89,15 +89,18 @@ class _AffineNormRule(LayerRule):
     def releases_rows(self, site):
         return "per_example" in site.kept
 
-    def clipped_grads(self, site, coef, mask):
+    scales_sums = True
+
+    def clipped_grads(self, site, coef, mask, alpha=1.0):
         per = site.kept.pop("per_example", None)
         if per is None:
             per = self._per_example(site)
         params = self.params(site.module)
-        c = coef.view(1, -1)
         both = joined(per) if all(mask) else None
         if both is not None:  # one product for weight and bias
-            return [t.view(param_shape(p)).to(site.dtype) for t, p in zip(split_sum(c.mm(both).view(-1), per), params)]
+            sums = split_sum(weighted_sum(both, coef, alpha), per)
+            return [t.view(param_shape(p)).to(site.dtype) for t, p in zip(sums, params)]
+        c = (coef if alpha == 1.0 else coef * alpha).view(1, -1)
         return [c.mm(t).view(param_shape(p)).to(site.dtype) if m else None for t, p, m in zip(per, params, mask)]
 
 
