@@ -30,16 +30,15 @@ def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor, by_id: O
     factored), applied by the rule's product where it can (``scales_sums``), else here."""
     own = site.scale * engine.emit_scale
     hook, alpha = site.hook, factor if own == unit else factor * (own / unit)
-    c = coef if alpha == 1.0 or hook.rule.scales_sums else coef * alpha
-    mask = [i in ids for i in hook.param_ids]
+    rule, mask = hook.rule, [i in ids for i in hook.param_ids]
     dtype = site.dtype  # None: a multi-input rule's records are its own
     if by_id is None or dtype is None:
-        grads = (hook.rule.clipped_grads(site, c, mask, alpha) if c is coef and alpha != 1.0
-                 else hook.rule.clipped_grads(site, c, mask))
+        grads = (rule.clipped_grads(site, coef, mask, alpha) if alpha != 1.0 and rule.scales_sums
+                 else rule.clipped_grads(site, coef if alpha == 1.0 else coef * alpha, mask))
     else:
         into = [engine.window.grad_into(by_id[i], dtype, math.prod(param_shape(by_id[i]))) if m else None
                 for i, m in zip(hook.param_ids, mask)]
-        grads = hook.rule.add_clipped_grads(site, c, mask, into)
+        grads = rule.add_clipped_grads(site, coef if alpha == 1.0 else coef * alpha, mask, into)
     return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
 
 
