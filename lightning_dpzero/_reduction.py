@@ -38,9 +38,16 @@ def deferred_writes_reduced(per_sample, deepspeed_engine, zero_stage: int, accum
     if not boundary:
         yield
         return
-    with deepspeed_engine.coalesce_grad_reduction():
-        yield
-        per_sample.window.flush()  # whatever the backward did not write (e.g. a group of sites that never ran)
+    # ZeRO-1/2's hooks do nothing inside the block and its flush reduces only what p.grad holds then: a deferred
+    # site hands them no zeros, and each p.grad appears with its clipped sum (one kernel per parameter fewer);
+    # ZeRO-3's leaf modules still take zeros
+    zeros, per_sample.deferred_zeros = per_sample.deferred_zeros, per_sample.deferred_zeros and zero_stage >= 3
+    try:
+        with deepspeed_engine.coalesce_grad_reduction():
+            yield
+            per_sample.window.flush()  # whatever the backward did not write (e.g. a group of sites that never ran)
+    finally:
+        per_sample.deferred_zeros = zeros
 
 
 def output_hook_managers(outputs: Any) -> list:

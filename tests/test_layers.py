@@ -728,6 +728,26 @@ def test_per_example_rows_take_the_faster_layout_and_every_reader_accepts_it(d, 
     torch.testing.assert_close(weighted_sum_parts(list(per.split(2)), coef), weighted_sum(per, coef))
 
 
+@pytest.mark.parametrize("d,p,B", [(8, 64, 5), (64, 8, 5), (16, 16, 0)])
+def test_weight_and_bias_side_by_side_give_each_norm_and_sum_in_one_op(d, p, B):
+    """``joint_rows``: the per-example weight gradients (either layout) and bias rows in one buffer, whose one dot
+    is the sum of both squared norms and whose one product (with ``alpha``) splits into the weight's and the
+    bias's clipped sums, of their shapes; tensors apart are not ``joined``."""
+    from lightning_dpzero.per_sample.maths import joined, joint_rows, rows_per_example, rows_sq, split_sum, weighted_sum
+
+    gen = torch.Generator().manual_seed(0)
+    a, g, coef = torch.randn(B, 7, d, generator=gen), torch.randn(B, 7, p, generator=gen), torch.rand(B, generator=gen)
+    w, b = joint_rows(B, [p * d, p], g)
+    both = [rows_per_example(a, g, out=w), torch.sum(g, 1, out=b)]
+    ref_w, ref_b = torch.einsum("btp,btd->bpd", g.double(), a.double()), g.double().sum(1)
+    close = {"rtol": 1e-5, "atol": 1e-5}  # float32 against float64
+    torch.testing.assert_close(rows_sq(joined(both)).double(), ref_w.pow(2).sum((1, 2)) + ref_b.pow(2).sum(1), **close)
+    sw, sb = split_sum(weighted_sum(joined(both), coef, alpha=0.5), both)
+    torch.testing.assert_close(sw.double(), 0.5 * torch.einsum("b,bpd->pd", coef.double(), ref_w), **close)
+    torch.testing.assert_close(sb.double(), 0.5 * coef.double() @ ref_b, **close)
+    assert joined([both[0].clone(), both[1]]) is None
+
+
 @pytest.mark.parametrize("shape,k,n,contiguous", [((2, 9), 64, 8, True), ((5,), 96, 2, True), ((3, 4), 64, 1, True),
                                                   ((3, 4), 64, 16, True), ((3, 4), 32, 8, True),
                                                   ((3, 4), 64, 8, False), ((0, 4), 64, 8, True)])

@@ -21,7 +21,7 @@ KW = dict(d_model=128, seq=64, layers=2, heads=4, vocab=256)
 B = 8
 #: measured on this configuration: extra compute ops per site (the bound adds 0.5) and the backward's ratio to
 #: non-DP (the bound adds 0.1); 20 sites: 2 embeddings, 2 × (2 LayerNorms, 6 Linears), the final LayerNorm and head
-ACHIEVED = {"layer-wise": (9.5, 4.11), "all-layer": (7.4, 3.43)}
+ACHIEVED = {"layer-wise": (6.8, 3.23), "all-layer": (6.65, 3.18)}
 
 
 def _backward_ops(clipping):

@@ -90,6 +90,9 @@ class LayerRule:
     param_names: tuple[str, ...] = ("weight", "bias")
     """Names of the parameters the rule covers, in the order passed to the autograd function and of every
     ``mask`` and returned list; an absent one (``bias=False``) is ``None``."""
+    scales_sums: bool = False
+    """:meth:`clipped_grads` takes a fourth argument ``alpha``, a constant its product applies to the sums without a
+    kernel of its own (``clip_coefficients_sq(factored=True)``); others get the coefficients multiplied by it."""
     multi_input: bool = False
     """The layer is called with several tensors and options (attention: ``mha(q, k, v, key_padding_mask=...)``):
     the rule implements :meth:`bind` and :meth:`backward_multi`; single-input rules leave it False."""

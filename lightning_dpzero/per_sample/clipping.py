@@ -81,16 +81,23 @@ def clip_coefficients(norms: torch.Tensor, max_norm: float, clipping_fn: str, ga
 
 
 def clip_coefficients_sq(sq: torch.Tensor, max_norm: float, clipping_fn: str, gamma: float = 0.01,
-                         scale: float = 1.0) -> torch.Tensor:
+                         scale: float = 1.0, factored: bool = False):
     """:func:`clip_coefficients` of the norms ``sqrt(sq)``, from the squared norms ``sq`` (B,): for ``"abadi"``
     ``scale · C · rsqrt(max(‖g_i‖², C²))``, three kernels and no square root of its own (a group's coefficients
-    are formed at every layer in layer-wise clipping, so their kernels count)."""
+    are formed at every layer in layer-wise clipping, so their kernels count). ``factored=True``: ``(c, f)``,
+    the coefficients ``f · c`` with the constant ``f`` (``scale · C`` for ``"abadi"``, else 1) left for the
+    product that forms the clipped sums to apply (``LayerRule.scales_sums``): two kernels."""
     sq = sq.float()
-    if clipping_fn == "abadi":
-        if math.isinf(max_norm):
-            return torch.full_like(sq, scale)
-        return sq.clamp(min=max_norm * max_norm).rsqrt_().mul_(max_norm * scale)
-    return clip_coefficients(sq.sqrt(), max_norm, clipping_fn, gamma, scale)
+    c, f = None, 1.0
+    if clipping_fn != "abadi":
+        c = clip_coefficients(sq.sqrt(), max_norm, clipping_fn, gamma, scale)
+    elif math.isinf(max_norm):
+        c = torch.full_like(sq, scale)
+    else:
+        c, f = sq.clamp(min=max_norm * max_norm).rsqrt_(), max_norm * scale
+    if factored:
+        return c, f
+    return c if f == 1.0 else c.mul_(f)
 
 
 def layer_thresholds(max_grad_norm: float, num_groups: int) -> float:

@@ -388,13 +388,14 @@ class PerSampleEngine:
         s = self._group_scale.get(k, 1.0)  # the true norms are s·sqrt(sq): the threshold and γ divided by s instead
         self._total_sq.append((sq, s))
         unit = s * self.emit_scale  # the coefficients carry the site's factor and the emit scale (sums.py)
-        coef = clip_coefficients_sq(sq, self.group_thresholds[k] / s, self.clipping_fn, self.gamma / s, unit)
+        returned = self.phase != "norms" and hook is not None and self._returns(k, hook)  # their factor: in the sums
+        coef = clip_coefficients_sq(sq, self.group_thresholds[k] / s, self.clipping_fn, self.gamma / s, unit, returned)
         records = self._records.pop(k)
         if self.phase == "norms":  # the second pass forms the sums (two_pass.py)
             self.pass_coefficients[k] = (coef, unit)
             return {}
-        if hook is not None and self._returns(k, hook):
-            return sums.clipped(self, ids, coef, records, unit)
+        if returned:
+            return sums.clipped(self, ids, *coef, records, unit)
         self._deferred.append((ids, coef, records, unit))
         return {}
 

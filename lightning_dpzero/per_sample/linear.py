@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule
-from .maths import (add_weighted_rows, batch_rows, param_shape, per_example_sq, rows_matmul, rows_norm_sq, rows_per_example, rows_sq,
-                    weighted_rows_grad, weighted_sum, weighted_sum_parts)
+from .maths import (DOT_MAX, add_weighted_rows, batch_rows, joined, joint_rows, param_shape, per_example_sq,
+                    rows_matmul, rows_norm_sq, rows_per_example, rows_sq, split_sum, weighted_rows_grad,
+                    weighted_sum, weighted_sum_parts)
 from .paths import weight_path
 from .registry import register_rule
 
@@ -54,6 +55,21 @@ class LinearRule(LayerRule):
         keeping them as they are saves copying them into one tensor)."""
         return [self._instantiate(module, x, g)]
 
+    def _instantiate_with_bias(self, module, x, g):
+        """Per-example weight gradients and bias rows side by side in one buffer (:func:`.maths.joint_rows`), or
+        ``None`` where a subclass forms its per-example gradients its own way or they are too large for one
+        dot."""
+        own = type(self)
+        if (own._instantiate is not LinearRule._instantiate
+                or own._instantiate_parts is not LinearRule._instantiate_parts):
+            return None
+        a, gg = self._rows(module, x, g)
+        B, d, p = a.shape[0], a.shape[-1], gg.shape[-1]
+        if p * d > DOT_MAX:
+            return None
+        w, b = joint_rows(B, [p * d, p], gg)
+        return [rows_per_example(a, gg, out=w), torch.sum(gg.float(), 1, out=b)]
+
     def _weight_norm_sq(self, module, x, g, path, grams=None, plus=None):
         """Per-example squared weight-gradient norms without keeping anything (``path``: ghost or instantiate;
         ``grams``: the engine's :class:`~.maths.InputGrams`, for a ghost norm's input Gram; ``plus`` (B,): added,
@@ -76,14 +92,20 @@ class LinearRule(LayerRule):
         module, x, g = site.module, site.x, site.g
         w = None
         bias = len(mask) > 1 and mask[1]
-        pb = self._bias_rows(module, g) if bias else None
-        bsq = rows_sq(pb) if bias else None
         # weight and bias in one group (layer-wise, all-layer): their sum answered for the weight, in one op with
         # the weight's own (addcmul, baddbmm), and nothing for the bias
         joint = bias and mask[0] and len(site.hook.groups) == 1
+        path = None
         if mask[0]:
             _, T, d, p = self._dims(module, x, g)
             path = weight_path(site, T, d, p, math.prod(param_shape(module.weight)))
+        both = self._instantiate_with_bias(module, x, g) if joint and path == "reuse" else None
+        if both is not None:  # kept side by side: one dot for the norms, one product for the sums
+            site.kept["per_example"], site.kept["bias_rows"] = [both[0]], both[1]
+            return [rows_sq(joined(both)), None]
+        pb = self._bias_rows(module, g) if bias else None
+        bsq = rows_sq(pb) if bias else None
+        if mask[0]:
             if path == "reuse":  # kept on the site for its clipped sum
                 parts = self._instantiate_parts(module, x, g)
                 plus = bsq if joint else None
@@ -108,9 +130,17 @@ class LinearRule(LayerRule):
         bias = getattr(site.module, "bias", None)
         return "per_example" in site.kept and ("bias_rows" in site.kept or bias is None or not bias.requires_grad)
 
-    def clipped_grads(self, site, coef, mask):
+    scales_sums = True
+
+    def clipped_grads(self, site, coef, mask, alpha=1.0):
         module, x, g = site.module, site.x, site.g
         w = b = None
+        kept = site.kept
+        both = [kept["per_example"][0], kept["bias_rows"]] if "bias_rows" in kept and "per_example" in kept else None
+        if both is not None and len(mask) > 1 and mask[0] and mask[1] and joined(both) is not None:
+            del site.kept["per_example"], site.kept["bias_rows"]
+            return split_sum(weighted_sum(joined(both), coef, alpha).to(site.dtype), both)
+        coef = coef if alpha == 1.0 else coef * alpha
         if mask[0]:
             parts = site.kept.pop("per_example", None)
             w = (weighted_sum_parts(parts, coef).to(site.dtype) if parts is not None

@@ -25,16 +25,51 @@ def param_shape(p: torch.Tensor) -> torch.Size:
     return getattr(p, "ds_shape", p.shape)
 
 
-def rows_per_example(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def rows_per_example(a: torch.Tensor, g: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-example ``G_i = Σ_t g_{i,t} a_{i,t}ᵀ`` for ``a`` (B,T,d), ``g`` (B,T,p): fp32 ``(B, p, d)``, one bmm.
 
     Where d < p the bmm forms ``(B, d, p)`` and the result is its transposed view: MKL's bmm was measured 1.2-5×
     slower with the thinner dimension last (a LoRA up-projection's ``(B, 256, 8)``: 327 µs against 91 µs).
-    :func:`per_example_sq` and :func:`weighted_sum` read either layout without a copy."""
+    :func:`per_example_sq` and :func:`weighted_sum` read either layout without a copy. ``out``: B·p·d fp32 values
+    per example (a block of :func:`joint_rows`) that the bmm writes into."""
     a, g = a.float(), g.float()
-    if a.shape[-1] < g.shape[-1]:
-        return torch.bmm(a.transpose(1, 2), g).transpose(1, 2)
-    return torch.bmm(g.transpose(1, 2), a)
+    B, d, p = a.shape[0], a.shape[-1], g.shape[-1]
+    if d < p:
+        return torch.bmm(a.transpose(1, 2), g, out=None if out is None else out.view(B, d, p)).transpose(1, 2)
+    return torch.bmm(g.transpose(1, 2), a, out=None if out is None else out.view(B, p, d))
+
+
+def joint_rows(B: int, sizes: list[int], like: torch.Tensor) -> list[torch.Tensor]:
+    """Column blocks ``(B, n_k)`` of one fp32 ``(B, Σ n_k)`` buffer on ``like``'s device: a site's per-example
+    gradients written side by side there take one squared-norm op and one weighted sum for all its parameters
+    (:func:`joined`, :func:`weighted_sum`), not one of each per parameter."""
+    return list(torch.empty(B, sum(sizes), dtype=torch.float32, device=like.device).split(sizes, 1))
+
+
+def joined(blocks: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The ``(B, Σ n_k)`` buffer whose consecutive column blocks are exactly ``blocks`` (:func:`joint_rows`), else
+    ``None``."""
+    base = blocks[0]._base
+    if base is None or base.dim() != 2 or any(t._base is not base for t in blocks):
+        return None
+    offset = base.storage_offset()
+    for t in blocks:
+        if t.storage_offset() != offset:
+            return None
+        offset += math.prod(t.shape[1:])
+    return base if offset == base.storage_offset() + base.shape[1] else None
+
+
+def split_sum(total: torch.Tensor, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A weighted sum ``(Σ n_k,)`` of a :func:`joined` buffer as one view per block, each of its block's shape less
+    the batch dimension (a block of :func:`rows_per_example`'s transposed layout: the transposed view)."""
+    out = []
+    for t, part in zip(blocks, total.split([math.prod(b.shape[1:]) for b in blocks])):
+        if t.dim() == 3 and t.stride(-1) != 1:
+            out.append(part.view(t.shape[2], t.shape[1]).t())
+        else:
+            out.append(part.view(t.shape[1:]))
+    return out
 
 
 def rows_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -168,13 +203,18 @@ def weighted_rows_grad(a: torch.Tensor, g: torch.Tensor, coef: torch.Tensor,
     return g2.mm(a2) if out is None else out.addmm_(g2, a2)
 
 
-def weighted_sum(per: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product, shape ``per.shape[1:]``; for
-    the transposed ``(B, p, d)`` view of :func:`rows_per_example`, the transposed sum of its contiguous form."""
+def weighted_sum(per: torch.Tensor, coef: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``alpha · Σ_i coef_i · per_i`` for ``per`` (B, ...) fp32: one ``(B,)·(B, n)`` product (``alpha`` in it),
+    shape ``per.shape[1:]``; for the transposed ``(B, p, d)`` view of :func:`rows_per_example`, the transposed sum
+    of its contiguous form."""
     if per.dim() == 3 and not per.is_contiguous() and per.transpose(1, 2).is_contiguous():
-        return weighted_sum(per.transpose(1, 2), coef).t()
+        return weighted_sum(per.transpose(1, 2), coef, alpha).t()
     # (B, n) explicitly, not flatten(1): a scalar parameter's per-example gradients are (B,), and B may be 0
-    return coef.to(per.dtype).view(1, -1).mm(per.reshape(per.shape[0], math.prod(per.shape[1:]))).view(per.shape[1:])
+    rows, c = per.reshape(per.shape[0], math.prod(per.shape[1:])), coef.to(per.dtype).view(1, -1)
+    if alpha == 1.0 or rows.shape[0] == 0:
+        return c.mm(rows).view(per.shape[1:])
+    # beta=0: the input (any row of the right shape) is not read, NaN or not
+    return torch.addmm(rows[:1], c, rows, beta=0, alpha=alpha).view(per.shape[1:])
 
 
 def add_weighted_rows(into: Optional[torch.Tensor], per: torch.Tensor, coef: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import LayerRule, UnsupportedLayerError
-from .maths import add_weighted_rows, param_shape, rows_sq
+from .maths import add_weighted_rows, joined, joint_rows, param_shape, rows_sq, split_sum, weighted_sum
 from .paths import may_keep
 from .registry import register_rule
 
@@ -76,8 +76,9 @@ class _AffineNormRule(LayerRule):
             site.path = "reuse"
         else:
             site.path = "instantiate"
-        if len(per) == 2 and all(mask) and len(site.hook.groups) == 1:  # one group: the sum in two ops, for the weight
-            return [rows_sq(per[1], rows_sq(per[0])), None]
+        if len(per) == 2 and all(mask) and len(site.hook.groups) == 1:  # one group: the sum for the weight, in one op
+            both = joined(per)  # side by side in one buffer (LayerNorm) or apart
+            return [rows_sq(both) if both is not None else rows_sq(per[1], rows_sq(per[0])), None]
         return [rows_sq(t) if m else None for t, m in zip(per, mask)]
 
     def per_example(self, site, mask):
@@ -88,12 +89,18 @@ class _AffineNormRule(LayerRule):
     def releases_rows(self, site):
         return "per_example" in site.kept
 
-    def clipped_grads(self, site, coef, mask):
+    scales_sums = True
+
+    def clipped_grads(self, site, coef, mask, alpha=1.0):
         per = site.kept.pop("per_example", None)
         if per is None:
             per = self._per_example(site)
         params = self.params(site.module)
-        c = coef.view(1, -1)
+        both = joined(per) if all(mask) else None
+        if both is not None:  # one product for weight and bias
+            sums = split_sum(weighted_sum(both, coef, alpha), per)
+            return [t.view(param_shape(p)).to(site.dtype) for t, p in zip(sums, params)]
+        c = (coef if alpha == 1.0 else coef * alpha).view(1, -1)
         return [c.mm(t).view(param_shape(p)).to(site.dtype) if m else None for t, p, m in zip(per, params, mask)]
 
 
@@ -138,7 +145,8 @@ class LayerNormRule(_AffineNormRule):
         B = x.shape[0]
         T = x.numel() // max(B * n, 1)
         gf = g.float().reshape(B, T, n)
-        return (xh.reshape(B, T, n) * gf).sum(1), gf.sum(1)
+        w, b = joint_rows(B, [n, n], gf)  # side by side: one squared-norm op and one weighted sum for both
+        return torch.sum(xh.reshape(B, T, n) * gf, 1, out=w), torch.sum(gf, 1, out=b)
 
 
 @register_rule(nn.GroupNorm)

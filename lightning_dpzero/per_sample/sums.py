@@ -20,33 +20,35 @@ from .base import Site
 from .maths import param_shape
 
 
-def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor,
-                 by_id: Optional[dict] = None, unit: float = 1.0) -> list[tuple[int, torch.Tensor]]:
+def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor, by_id: Optional[dict] = None,
+                 unit: float = 1.0, factor: float = 1.0) -> list[tuple[int, torch.Tensor]]:
     """``(parameter id, Σ_i coef_i · g_i)`` of ``site`` for the parameters ``ids`` (coefficients ``coef`` (B,)
     fp32 that carry ``unit``, the per-example factor times ``emit_scale`` they were formed with; rescaled here
     only for a site whose factor differs). With ``by_id`` (a deferred write: parameter id → parameter) the rule
     may add a sum into ``p.grad`` in place (one addmm for a Linear, no temporary of the weight's size), and that
-    parameter is left out of the result."""
+    parameter is left out of the result. ``factor``: a constant the coefficients still need (``clip_coefficients_sq``
+    factored), applied by the rule's product where it can (``scales_sums``), else here."""
     own = site.scale * engine.emit_scale
-    hook, c = site.hook, coef if own == unit else coef * (own / unit)
-    mask = [i in ids for i in hook.param_ids]
+    hook, alpha = site.hook, factor if own == unit else factor * (own / unit)
+    rule, mask = hook.rule, [i in ids for i in hook.param_ids]
     dtype = site.dtype  # None: a multi-input rule's records are its own
     if by_id is None or dtype is None:
-        grads = hook.rule.clipped_grads(site, c, mask)
+        grads = (rule.clipped_grads(site, coef, mask, alpha) if alpha != 1.0 and rule.scales_sums
+                 else rule.clipped_grads(site, coef if alpha == 1.0 else coef * alpha, mask))
     else:
         into = [engine.window.grad_into(by_id[i], dtype, math.prod(param_shape(by_id[i]))) if m else None
                 for i, m in zip(hook.param_ids, mask)]
-        grads = hook.rule.add_clipped_grads(site, c, mask, into)
+        grads = rule.add_clipped_grads(site, coef if alpha == 1.0 else coef * alpha, mask, into)
     return [(i, gr) for i, gr in zip(hook.param_ids, grads) if gr is not None]
 
 
-def clipped(engine, ids: set[int], coef: torch.Tensor, records: list[Site], unit: float = 1.0
+def clipped(engine, ids: set[int], coef: torch.Tensor, factor: float, records: list[Site], unit: float = 1.0
             ) -> dict[int, torch.Tensor]:
-    """Σ over the sites ``records`` of Σ_i coef_i · g_i for the parameters ``ids``, keyed by parameter id (what
-    the completing site returns through autograd)."""
+    """Σ over the sites ``records`` of Σ_i factor · coef_i · g_i for the parameters ``ids``, keyed by parameter id
+    (what the completing site returns through autograd)."""
     out: dict[int, torch.Tensor] = {}
     for site in records:
-        for i, gr in site_clipped(engine, site, ids, coef, unit=unit):
+        for i, gr in site_clipped(engine, site, ids, coef, unit=unit, factor=factor):
             out[i] = gr if i not in out else out[i] + gr
     return out
 
