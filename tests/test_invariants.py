@@ -30,6 +30,9 @@ def _cases(world_size):
                               poisson=False))
         cases.append(dict(BASE, name=f"i2_al_s{stage}_a1", stage=stage, clipping="all-layer"))
     cases.append(dict(BASE, name="i2_al_s0_a2", stage=0, accumulate=2, clipping="all-layer"))
+    # all-layer on ZeRO-2 with accumulation: the first micro-batch hands DeepSpeed's hooks zeros, the last (inside its
+    # coalesced reduction) none, p.grad then holding the clipped sum
+    cases.append(dict(BASE, name="i2_al_s2_a2", stage=2, accumulate=2, clipping="all-layer"))
     for stage, clipping in ((0, "all-layer"), (3, "layer-wise"), (2, "all-layer")):
         cases.append(dict(BASE, name=f"i2_auto_{clipping}_s{stage}", stage=stage, clipping=clipping,
                           clipping_fn="automatic", C=0.1))
