@@ -105,10 +105,10 @@ class _Rows:
     """A tensor summarised per row (along dimension ``dim``): exact values for integers, else norms and random
     projections in float64."""
 
-    __slots__ = ("shape", "exact", "norms", "proj", "tol", "lengths")
+    __slots__ = ("shape", "dim", "exact", "norms", "proj", "tol", "lengths")
 
     def __init__(self, t: torch.Tensor, dim: int, vectors: "_Vectors"):
-        self.shape, self.lengths = tuple(t.shape), None
+        self.shape, self.dim, self.lengths = tuple(t.shape), dim, None
         t = t.detach().movedim(dim, 0)
         self.exact = None if t.is_floating_point() else t.clone()
         self.tol = TOL if t.dtype in (torch.float32, torch.float64) else HALF_TOL
@@ -125,7 +125,7 @@ class _Rows:
         """Rows of unequal lengths (a ragged input: example i's sequence or bag), each summarised alone."""
         self = cls.__new__(cls)
         flat = [r.detach().reshape(-1) for r in rows]
-        self.shape, self.lengths = (len(flat), "ragged"), torch.tensor([r.numel() for r in flat])
+        self.shape, self.dim, self.lengths = (len(flat), "ragged"), 0, torch.tensor([r.numel() for r in flat])
         floating = bool(flat) and flat[0].is_floating_point()
         self.exact = None if floating or not flat else [r.clone() for r in flat]
         self.tol = TOL if not flat or flat[0].dtype in (torch.float32, torch.float64) else HALF_TOL
@@ -138,7 +138,9 @@ class _Rows:
 
     def matches(self, other: "_Rows", index: Optional[torch.Tensor] = None) -> bool:
         """Whether ``other`` holds this tensor's rows ``index`` (``None``: the same rows)."""
-        if other is None or other.shape != self.shape:
+        want = self.shape if index is None else (  # a sub-batch: its rows only
+            *self.shape[:self.dim], len(index), *self.shape[self.dim + 1:])
+        if other is None or other.shape != want:
             return False
         if self.lengths is not None:
             mine = self.lengths if index is None else self.lengths[index]
@@ -180,7 +182,7 @@ class _Recorder:
     """What each call of an attached layer received, in call order (``PerSampleEngine._record_call``)."""
 
     def __init__(self, b: int, vectors: _Vectors):
-        self.b, self.vectors, self.calls = b, vectors, []
+        self.b, self.vectors, self.calls, self.loss = b, vectors, [], None
 
     def record(self, hook, args: tuple, kwargs: dict) -> None:
         rows = []
@@ -195,14 +197,25 @@ class _Recorder:
 
 
 def _record(engine, run_forward, index, b: int, vectors: _Vectors) -> _Recorder:
+    """One forward of the check on the micro-batch re-indexed by ``index``, from the same random state as the
+    others (forked: the user's stream does not advance); its calls recorded, its loss kept (``rec.loss``)."""
     rec = _Recorder(b, vectors)
     engine._layout = rec
     try:
         with torch.random.fork_rng(devices=_devices()), torch.no_grad():
-            run_forward(index)
+            rec.loss = loss_value(run_forward(index))
     finally:
         engine._layout = None
     return rec
+
+
+def loss_value(out: Any) -> Optional[tuple[float, bool]]:
+    """The scalar loss of a forward's output (a tensor, a mapping or Hugging Face output with ``"loss"``) in
+    float64 and whether it was computed in 16 bits; ``None`` if there is none."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        return None
+    return float(loss.detach().double()), loss.dtype not in (torch.float32, torch.float64)
 
 
 def _devices() -> list[int]:
@@ -263,7 +276,8 @@ _WHY = {
 }
 
 
-def _message(engine, failures: list[tuple[Any, str]], b: int) -> str:
+def layer_lines(engine, failures: list[tuple[Any, str]]) -> list[str]:
+    """One line per module class and cause of ``failures`` (``(hook, cause)`` pairs), with the fix."""
     groups: dict[tuple[str, str], list] = {}
     for hook, cause in failures:
         groups.setdefault((type(hook.module).__name__, cause), [])
@@ -283,15 +297,37 @@ def _message(engine, failures: list[tuple[Any, str]], b: int) -> str:
             why += (f". Fix: freeze {'it' if len(params) == 1 else 'them'} before training: {fix} (module: the "
                     "model given to the engine; with Lightning, the LightningModule)")
         lines.append(f"{cls} {shown}{more}: {why}")
-    return ("The per-example layout check failed (with the micro-batch of "
-            f"{b} examples re-indexed, a layer's input did not follow its examples); training would release "
-            "non-private updates, so it stops before the first one:\n  - " + "\n  - ".join(lines)
-            + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=False)).")
+    return lines
+
+
+def agree_or_raise(engine, lines: list[str], b: int, pending: bool, collectives, what: str) -> bool:
+    """Agree over the ranks (one all-reduce of two numbers) on whether any rank has failure ``lines``, and
+    raise on every rank if one has; ``what``: which micro-batch was checked. Returns whether no rank is
+    ``pending`` (checked with fewer than two examples)."""
+    bad, pending_n = float(bool(lines)), float(pending)
+    world = getattr(collectives, "world_size", 1) if collectives is not None else 1
+    bad_all = bad
+    if world > 1:
+        flags = sum_over_ranks(collectives, torch.tensor([bad, pending_n], dtype=torch.float32,
+                                                          device=_reduce_device(engine)))
+        bad_all, pending_n = float(flags[0]), float(flags[1])
+    if lines:
+        raise UnsupportedLayerError(
+            f"The per-example layout check failed at {what} (with the micro-batch of {b} examples re-indexed, or some of "
+            "its examples run alone, a layer's input or the loss did not follow its examples); training would "
+            "release non-private updates, so it stops before this micro-batch's update:\n  - "
+            + "\n  - ".join(lines)
+            + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=\"off\")).")
+    if bad_all:
+        raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s), at {what} "
+                                    "(their error names the layers); training stops before this micro-batch's update.")
+    return pending_n == 0
 
 
 def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
                      collectives=None) -> bool:
-    """Run the check once (two forwards of ``run_forward``, see the module docstring) and agree over the ranks.
+    """Run the check once (the forwards of the module docstring and :func:`.mixing.spot_lines`) and agree over
+    the ranks.
 
     Args:
         engine: the attached :class:`~lightning_dpzero.per_sample.PerSampleEngine`.
@@ -309,33 +345,19 @@ def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any
         UnsupportedLayerError: the check failed on this rank, or on another (the same number of forwards ran on
             every rank, so ZeRO-3's collective gathers stay matched).
     """
+    from .mixing import check_modes, labels_watch, spot_lines
+
     b = int(batch_size) if batch_size is not None else 0
     s = index_map(b)
-    module = engine.module
-    modes = [(m, m.training) for m in module.modules()]
     vectors = _Vectors()
-    try:
-        module.eval()
-        ref = _record(engine, run_forward, None, b, vectors)
+    with check_modes(engine.module):
+        with labels_watch(engine.module) as watch:
+            ref = _record(engine, run_forward, None, b, vectors)
         new = _record(engine, run_forward, s, b, vectors)
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    failures = _failures(ref, new, s, b) if b >= 1 else []
-    bad, pending = float(bool(failures)), float(b < 2)
-    world = getattr(collectives, "world_size", 1) if collectives is not None else 1
-    if world > 1:
-        flags = sum_over_ranks(collectives, torch.tensor([bad, pending], dtype=torch.float32,
-                                                          device=_reduce_device(engine)))
-        bad_all, pending = float(flags[0]), float(flags[1])
-    else:
-        bad_all = bad
-    if failures:
-        raise UnsupportedLayerError(_message(engine, failures, b))
-    if bad_all:
-        raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s) (their "
-                                    "error names the layers); training stops before the first update.")
-    return pending == 0
+        lines = layer_lines(engine, _failures(ref, new, s, b) if b >= 1 else [])
+        spot = spot_lines(engine, run_forward, ref, b, vectors, draw=0)  # run on every rank (matched gathers)
+        lines += watch.lines(ref.loss) + ([] if lines else spot)  # a wrong layout also fails the spot check
+    return agree_or_raise(engine, lines, b, b < 2, collectives, "the first micro-batch")
 
 
 def _reduce_device(engine) -> torch.device:
