@@ -280,11 +280,11 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
             steps.fit_started = True
         every = self.layout_check == "every-batch"
         if self.layout_check != "off" and (every or not self.per_sample.layout_verified):
-            self._in_layout_check = True
+            self._in_layout_check, b = True, steps.stand_in_rows or steps.batch_size
             try:
                 self.mechanism.check_layout(
-                    lambda index: engine(*reindex_batch(args, index), **reindex_batch(kwargs, index)),
-                    steps.stand_in_rows or steps.batch_size, every_batch=every)
+                    lambda index: engine(*reindex_batch(args, index, b), **reindex_batch(kwargs, index, b)),
+                    b, every_batch=every)
             finally:
                 self._in_layout_check = False
         self.per_sample.start_micro_batch(steps.batch_size, steps.stand_in_rows)

@@ -24,7 +24,7 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -
     For sequence-to-sequence models (labels aligned with the decoder's logits) and token classification.
 
     Args:
-        logits: ``(B, T, V)`` scores (any float dtype; computed in float32).
+        logits: ``(B, T, V)`` scores (16-bit ones are computed in float32).
         labels: ``(B, T)`` class indices; ``ignore_index`` marks tokens without a label (padding).
         ignore_index: the label of tokens that do not count (-100, what Hugging Face's collators pad with).
         reduction: ``"mean"`` over the examples (with the strategy's default ``loss_reduction="mean"``) or
@@ -48,7 +48,9 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -
         raise ValueError(f"token_loss needs logits (B, T, V) and labels (B, T); got logits {tuple(logits.shape)} and "
                          f"labels {tuple(labels.shape)}.")
     b, t, v = logits.shape
-    per_token = F.cross_entropy(logits.float().reshape(b * t, v), labels.reshape(b * t), ignore_index=ignore_index,
+    if logits.dtype not in (torch.float32, torch.float64):  # 16-bit scores: the softmax in float32, as HF does
+        logits = logits.float()
+    per_token = F.cross_entropy(logits.reshape(b * t, v), labels.reshape(b * t), ignore_index=ignore_index,
                                 reduction="none").view(b, t)
     counts = (labels != ignore_index).sum(1).clamp(min=1)
     per_example = per_token.sum(1) / counts

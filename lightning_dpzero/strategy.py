@@ -208,7 +208,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         every = self.layout_check == "every-batch"
         if self.layout_check != "off" and args and (every or not self.per_sample.layout_verified):  # before the update
             with self._manual.inert(trainer):
-                self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), rows,
+                self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index, rows), *args[1:])), rows,
                                             module=self.lightning_module, every_batch=every)
         return self.mechanism.training_step(run, batch_size, module=self.lightning_module,
                                             step=trainer.global_step + 1, epoch=trainer.current_epoch,

@@ -88,15 +88,15 @@ def index_map(b: int) -> torch.Tensor:
     return s
 
 
-def reindex_batch(batch: Any, index: Optional[torch.Tensor]) -> Any:
-    """``batch`` with every tensor whose first dimension is ``len(index)`` indexed by ``index`` (rows
-    ``index[i]`` become row i); mappings, sequences and dataclasses are walked (Lightning's
-    ``apply_to_collection``); ``index=None`` returns ``batch`` itself."""
+def reindex_batch(batch: Any, index: Optional[torch.Tensor], batch_size: Optional[int] = None) -> Any:
+    """``batch`` with every tensor whose first dimension is ``batch_size`` (default ``len(index)``: a
+    re-ordering; fewer: a sub-batch) indexed by ``index`` (rows ``index[i]`` become row i); mappings, sequences
+    and dataclasses are walked (Lightning's ``apply_to_collection``); ``index=None`` returns ``batch`` itself."""
     if index is None:
         return batch
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    b = len(index)
+    b = len(index) if batch_size is None else int(batch_size)
     return apply_to_collection(batch, torch.Tensor,
                                lambda t: t[index.to(t.device)] if t.dim() >= 1 and t.shape[0] == b else t)
 

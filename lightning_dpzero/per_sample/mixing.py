@@ -162,8 +162,9 @@ def spot_lines(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], ref
     failures = []
     for sub, rec in zip(subs, recs):
         failures += [f for f in _sub_failures(ref, rec, sub, b) if f not in failures]
-    lines = layer_lines(engine, failures)
-    return lines + _loss_lines(recs[0].loss, [recs[1].loss, recs[2].loss], index, engine.loss_reduction)
+    if failures:  # the loss of a forward that mixes examples mixes them too: the layers are the cause
+        return layer_lines(engine, failures)
+    return _loss_lines(recs[0].loss, [recs[1].loss, recs[2].loss], index, engine.loss_reduction)
 
 
 def run_spot_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
