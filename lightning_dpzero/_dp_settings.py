@@ -60,6 +60,16 @@ class DPSettings:
         self.layout_check = _refusals.layout_check_mode(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None
 
+    def layout_check_due(self) -> bool:
+        """Whether the per-example check runs at this micro-batch: at every one, or until the first passed."""
+        return self.layout_check == "every-batch" or (self.layout_check == "first-batch"
+                                                      and not self.per_sample.layout_verified)
+
+    @property
+    def spot_checks(self) -> bool:
+        """Whether every micro-batch after the first is spot-checked (``layout_check="every-batch"``)."""
+        return self.layout_check == "every-batch"
+
     def _engine(self, module: nn.Module, groups) -> PerSampleEngine:
         return PerSampleEngine(module, self.mechanism.max_grad_norm, self.clipping, self.clipping_fn, self.gamma,
                                self.loss_reduction, groups=groups, group_max_grad_norms=self.group_max_grad_norms,

@@ -278,13 +278,12 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         if not steps.fit_started:
             self.mechanism.begin_fit({_COUNTER: steps.taken})
             steps.fit_started = True
-        every = self.layout_check == "every-batch"
-        if self.layout_check != "off" and (every or not self.per_sample.layout_verified):
+        if self.layout_check_due():
             self._in_layout_check, b = True, steps.stand_in_rows or steps.batch_size
             try:
                 self.mechanism.check_layout(
                     lambda index: engine(*reindex_batch(args, index, b), **reindex_batch(kwargs, index, b)),
-                    b, every_batch=every)
+                    b, every_batch=self.spot_checks)
             finally:
                 self._in_layout_check = False
         self.per_sample.start_micro_batch(steps.batch_size, steps.stand_in_rows)

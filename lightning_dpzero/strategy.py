@@ -68,12 +68,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
             the ledger charge the probability of that in δ, and a b so small that it would take more than half of
             δ is refused before training, naming the smallest b that fits (docs/privacy.md, *Bounded
             micro-batches*).
-        layout_check: ``"every-batch"`` (default): prove at the first micro-batch, with forwards without
-            gradients in training mode, that every layer's input is batch first and per example and that the
-            loss is the mean (or sum) of per-example losses (``PerSampleEngine.check_layout``), then spot-check
-            every later micro-batch before its update (the full micro-batch's forward and three of two
-            examples: about a third of a step's time more; docs/reliability.md). ``"first-batch"``: the first
-            check only. ``"off"`` (or ``False``) skips both, with a warning; ``True`` is ``"every-batch"``.
+        layout_check: ``"every-batch"`` (default): prove that layer inputs and loss are per example at the first
+            micro-batch, then spot-check each later one (docs/reliability.md). ``"first-batch"``, ``"off"``.
 
     Raises:
         ValueError: bad settings, when constructed (a YAML config with a bad string option fails when parsed).
@@ -102,8 +98,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  clipping_groups: Optional[Union[Literal["param_groups"], list[list[str]]]] = None,
                  group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
-                 loss_reduction: LossReduction = "mean",
-                 layout_check: Union[bool, LayoutCheck] = "every-batch",
+                 loss_reduction: LossReduction = "mean", layout_check: Union[bool, LayoutCheck] = "every-batch",
                  max_micro_batch_size: Optional[int] = None, clipping_mode: ClippingMode = "book-keeping",
                  **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
@@ -205,11 +200,10 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                 return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
 
         trainer = self.lightning_module.trainer
-        every = self.layout_check == "every-batch"
-        if self.layout_check != "off" and args and (every or not self.per_sample.layout_verified):  # before the update
+        if args and self.layout_check_due():  # before this micro-batch's update
             with self._manual.inert(trainer):
-                self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index, rows), *args[1:])), rows,
-                                            module=self.lightning_module, every_batch=every)
+                self.mechanism.check_layout(lambda i: run((reindex_batch(args[0], i, rows), *args[1:])), rows,
+                                            module=self.lightning_module, every_batch=self.spot_checks)
         return self.mechanism.training_step(run, batch_size, module=self.lightning_module,
                                             step=trainer.global_step + 1, epoch=trainer.current_epoch,
                                             stand_in_rows=rows if batch_size == 0 else 0,

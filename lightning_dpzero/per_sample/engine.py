@@ -38,8 +38,8 @@ from .._options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
 from .clipping import clip_coefficients, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
-from .layout import batch_checked_input, run_layout_check
-from .mixing import run_spot_check
+from .layout import batch_checked_input
+from .mixing import run_layout_check, run_spot_check
 from . import sums
 from .maths import InputGrams
 from .paths import InputReaders

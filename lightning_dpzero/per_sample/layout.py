@@ -31,7 +31,7 @@ while some rank has not yet had two or more examples), and one all-reduce of two
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from .._collectives import sum_over_ranks
@@ -313,8 +313,8 @@ def agree_or_raise(engine, lines: list[str], b: int, pending: bool, collectives,
         bad_all, pending_n = float(flags[0]), float(flags[1])
     if lines:
         raise UnsupportedLayerError(
-            f"The per-example layout check failed at {what} (with the micro-batch of {b} examples re-indexed, or some of "
-            "its examples run alone, a layer's input or the loss did not follow its examples); training would "
+            f"The per-example layout check failed at {what} (with the micro-batch of {b} examples re-indexed, or "
+            "some of its examples run alone, a layer's input or the loss did not follow its examples); training would "
             "release non-private updates, so it stops before this micro-batch's update:\n  - "
             + "\n  - ".join(lines)
             + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=\"off\")).")
@@ -322,42 +322,6 @@ def agree_or_raise(engine, lines: list[str], b: int, pending: bool, collectives,
         raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s), at {what} "
                                     "(their error names the layers); training stops before this micro-batch's update.")
     return pending_n == 0
-
-
-def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
-                     collectives=None) -> bool:
-    """Run the check once (the forwards of the module docstring and :func:`.mixing.spot_lines`) and agree over
-    the ranks.
-
-    Args:
-        engine: the attached :class:`~lightning_dpzero.per_sample.PerSampleEngine`.
-        run_forward: ``run_forward(index)`` runs the forward (e.g. the user's ``training_step``) on the
-            micro-batch, re-indexed by ``index`` (``None``: as it is; see :func:`reindex_batch`).
-        batch_size: B, the micro-batch's number of examples (0 and 1 are checked only for batch dimensions).
-        collectives: the ranks (``world_size`` and ``reduce(tensor, reduce_op="sum")``, as any Lightning
-            strategy); ``None`` for one process.
-
-    Returns:
-        Whether every rank has now passed the check with two or more examples (else call it again at the
-        next micro-batch).
-
-    Raises:
-        UnsupportedLayerError: the check failed on this rank, or on another (the same number of forwards ran on
-            every rank, so ZeRO-3's collective gathers stay matched).
-    """
-    from .mixing import check_modes, labels_watch, spot_lines
-
-    b = int(batch_size) if batch_size is not None else 0
-    s = index_map(b)
-    vectors = _Vectors()
-    with check_modes(engine.module):
-        with labels_watch(engine.module) as watch:
-            ref = _record(engine, run_forward, None, b, vectors)
-        new = _record(engine, run_forward, s, b, vectors)
-        lines = layer_lines(engine, _failures(ref, new, s, b) if b >= 1 else [])
-        spot = spot_lines(engine, run_forward, ref, b, vectors, draw=0)  # run on every rank (matched gathers)
-        lines += watch.lines(ref.loss) + ([] if lines else spot)  # a wrong layout also fails the spot check
-    return agree_or_raise(engine, lines, b, b < 2, collectives, "the first micro-batch")
 
 
 def _reduce_device(engine) -> torch.device:

@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from .layout import HALF_TOL, TOL, _failures, _record, _Vectors, agree_or_raise, layer_lines, loss_value
+from .layout import (HALF_TOL, TOL, _failures, _record, _Vectors, agree_or_raise, index_map, layer_lines,
+                     loss_value)
 from .parameters import ParameterHook
 
 #: modules that draw random numbers in training mode and compute the same function in eval mode otherwise
@@ -73,7 +74,7 @@ class _LabelsWatch:
     def lines(self, returned: Optional[tuple[float, bool]]) -> list[str]:
         """The refusal, if the step's loss (``returned``) is the loss of such a call."""
         for cls, loss in self.seen:
-            if returned is not None and loss is not None and abs(loss[0] - returned[0]) <= 1e-6 * max(1.0, abs(loss[0])):
+            if returned is not None and loss is not None and abs(loss[0] - returned[0]) <= 1e-6 * max(1, abs(loss[0])):
                 return [f"{cls} was called with labels= padded with {IGNORE_INDEX} and the training step returns its "
                         "loss: Hugging Face averages it over every token of the micro-batch, so example i's gradient "
                         "is scaled by B·T_i/ΣT_j (its share of the tokens) and depends on the other examples, and "
@@ -179,3 +180,37 @@ def run_spot_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any],
             ref = _record(engine, run_forward, None, b, vectors)
         lines = watch.lines(ref.loss) + spot_lines(engine, run_forward, ref, b, vectors, draw)
     agree_or_raise(engine, lines, b, False, collectives, what)
+
+
+def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
+                     collectives=None) -> bool:
+    """Run the check once (the forwards of ``layout.py``'s docstring and :func:`spot_lines`) and agree over
+    the ranks.
+
+    Args:
+        engine: the attached :class:`~lightning_dpzero.per_sample.PerSampleEngine`.
+        run_forward: ``run_forward(index)`` runs the forward (e.g. the user's ``training_step``) on the
+            micro-batch, re-indexed by ``index`` (``None``: as it is; see :func:`reindex_batch`).
+        batch_size: B, the micro-batch's number of examples (0 and 1 are checked only for batch dimensions).
+        collectives: the ranks (``world_size`` and ``reduce(tensor, reduce_op="sum")``, as any Lightning
+            strategy); ``None`` for one process.
+
+    Returns:
+        Whether every rank has now passed the check with two or more examples (else call it again at the
+        next micro-batch).
+
+    Raises:
+        UnsupportedLayerError: the check failed on this rank, or on another (the same number of forwards ran on
+            every rank, so ZeRO-3's collective gathers stay matched).
+    """
+    b = int(batch_size) if batch_size is not None else 0
+    s = index_map(b)
+    vectors = _Vectors()
+    with check_modes(engine.module):
+        with labels_watch(engine.module) as watch:
+            ref = _record(engine, run_forward, None, b, vectors)
+        new = _record(engine, run_forward, s, b, vectors)
+        lines = layer_lines(engine, _failures(ref, new, s, b) if b >= 1 else [])
+        spot = spot_lines(engine, run_forward, ref, b, vectors, draw=0)  # run on every rank (matched gathers)
+        lines += watch.lines(ref.loss) + ([] if lines else spot)  # a wrong layout also fails the spot check
+    return agree_or_raise(engine, lines, b, b < 2, collectives, "the first micro-batch")
