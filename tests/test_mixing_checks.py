@@ -222,3 +222,31 @@ def test_layout_check_settings():
         assert DPDeepSpeedStrategy(layout_check=False).layout_check == "off"
     with pytest.raises(ValueError, match=r"layout_check='sometimes' is not supported"):
         DPDeepSpeedStrategy(layout_check="sometimes")
+
+
+class HFLabels(L.LightningModule):
+    """The usual Hugging Face step: the model's own loss from ``labels=`` padded with -100."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _llama(5)
+
+    def training_step(self, batch, _):
+        ids, mask = batch
+        return self.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        ids, mask, _ = _padded()
+        return DataLoader(TensorDataset(ids.repeat(2, 1), mask.repeat(2, 1)), batch_size=4)
+
+
+def test_the_strategy_refuses_hugging_face_s_padded_labels_loss_before_the_first_update():
+    module = HFLabels()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)at the first micro-batch.*labels= padded with -100.*"
+                                                    r"causal_lm_loss\(outputs\.logits, labels\)"):
+        _fit(module, steps=1)
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())

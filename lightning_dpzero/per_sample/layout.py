@@ -266,7 +266,8 @@ _WHY = {
                "over the batch, e.g. T5's relative position buckets (L, L)), so its output has no per-example part "
                "and its parameters cannot be clipped per example"),
     "mixed": ("row i of its input depends on other examples than i (statistics over the batch such as "
-              "h - h.mean(0), attention across the examples, or randomness in training_step), so per-example "
+              "h - h.mean(0), mixup, attention across the examples, or randomness drawn in training_step or the "
+              "forward, such as F.dropout: use nn.Dropout modules, which the check switches off), so per-example "
               "gradients do not exist. Fix: make each example's computation depend on that example only"),
     "not batch first": ("its input's first dimension is not the micro-batch, and the input changes with the "
                         "examples. Fix: keep every layer's input batch first, (B, ...)"),

@@ -129,11 +129,13 @@ def _sub_failures(ref, sub, index: torch.Tensor, b: int) -> list[tuple[Any, str]
     return out
 
 
-def _loss_lines(pair, alone: list, index: torch.Tensor, reduction: str) -> list[str]:
+def _loss_lines(pair, alone: list, index: torch.Tensor, reduction: str, half: bool) -> list[str]:
+    """The loss check's failure line, if any; ``half``: some layer computed in 16 bits (a float32 loss of
+    16-bit logits rounds as they do)."""
     if pair is None or any(a is None for a in alone):
         return []
     (p, p16), (a, a16), (c, c16) = pair, *alone
-    tol = (HALF_TOL if p16 or a16 or c16 else TOL) * (abs(a) + abs(c)) + 1e-12
+    tol = (HALF_TOL if half or p16 or a16 or c16 else TOL) * (abs(a) + abs(c)) + 1e-12
     want, other = (a + c, (a + c) / 2) if reduction == "sum" else ((a + c) / 2, a + c)
     if abs(p - want) <= tol:
         return []
@@ -165,7 +167,8 @@ def spot_lines(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], ref
         failures += [f for f in _sub_failures(ref, rec, sub, b) if f not in failures]
     if failures:  # the loss of a forward that mixes examples mixes them too: the layers are the cause
         return layer_lines(engine, failures)
-    return _loss_lines(recs[0].loss, [recs[1].loss, recs[2].loss], index, engine.loss_reduction)
+    half = any(r0.tol == HALF_TOL for _, rows in ref.calls for r0, _ in rows)
+    return _loss_lines(recs[0].loss, [recs[1].loss, recs[2].loss], index, engine.loss_reduction, half)
 
 
 def run_spot_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
