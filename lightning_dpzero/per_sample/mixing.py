@@ -29,6 +29,7 @@ advanced); on one example the pair is that example twice, so every rank runs the
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -132,8 +133,8 @@ def _sub_failures(ref, sub, index: torch.Tensor, b: int) -> list[tuple[Any, str]
 def _loss_lines(pair, alone: list, index: torch.Tensor, reduction: str, half: bool) -> list[str]:
     """The loss check's failure line, if any; ``half``: some layer computed in 16 bits (a float32 loss of
     16-bit logits rounds as they do)."""
-    if pair is None or any(a is None for a in alone):
-        return []
+    if pair is None or any(a is None for a in alone) or not all(math.isfinite(v[0]) for v in (pair, *alone)):
+        return []  # a NaN or infinite loss: the non-finite-loss check stops the step, with the step charged
     (p, p16), (a, a16), (c, c16) = pair, *alone
     tol = (HALF_TOL if half or p16 or a16 or c16 else TOL) * (abs(a) + abs(c)) + 1e-12
     want, other = (a + c, (a + c) / 2) if reduction == "sum" else ((a + c) / 2, a + c)
@@ -167,7 +168,7 @@ def spot_lines(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], ref
         failures += [f for f in _sub_failures(ref, rec, sub, b) if f not in failures]
     if failures:  # the loss of a forward that mixes examples mixes them too: the layers are the cause
         return layer_lines(engine, failures)
-    half = any(r0.tol == HALF_TOL for _, rows in ref.calls for r0, _ in rows)
+    half = any(r0.exact is None and r0.tol == HALF_TOL for _, rows in ref.calls for r0, _ in rows)
     return _loss_lines(recs[0].loss, [recs[1].loss, recs[2].loss], index, engine.loss_reduction, half)
 
 
