@@ -8,8 +8,8 @@ embedding of ``(L, L)`` position buckets broadcast over the batch) when L == B. 
 across examples mix examples the same way. None of these can be seen from shapes; all are seen by how a
 site's input moves when the batch is re-indexed.
 
-:func:`run_layout_check` runs the user's forward twice without gradients, in eval mode (so that dropout
-draws nothing) and from the same random state: on the micro-batch, and on a copy re-indexed by ``s``, a
+:func:`.mixing.run_layout_check` runs the user's forward twice without gradients, in training mode with
+dropout switched off (``mixing.check_modes``) and from the same random state: on the micro-batch, and on a copy re-indexed by ``s``, a
 fixed permutation of the B examples in which one example is repeated (``s[1] = s[0]``). For a per-example,
 batch-first site the second input is exactly the first one's rows ``s``: ``x' = x[s]``. A time-first input
 becomes ``x[:, s]``, a shared one stays ``x``, and one that mixes examples (a statistic over the batch, which
@@ -21,8 +21,8 @@ float64 (projections commute with row indexing), compared with a relative tolera
 
 A failure is refused before any update, one line per module class and cause, with the fix: batch-first
 activations, freezing a shared parameter (named), or making each example's computation its own. What the
-check cannot see: examples mixed after the last site (in the loss: :func:`check_per_example`), and mixing
-that only a training-mode forward does (BatchNorm is refused when the engine attaches).
+check cannot see, examples mixed after the last site (in the loss) or only at later micro-batches, is the
+spot check's (``mixing.py``), which follows it in the same call.
 
 Cost: two forwards without gradients at the first micro-batch of a fit (repeated at later micro-batches only
 while some rank has not yet had two or more examples), and one all-reduce of two numbers per check.
