@@ -133,6 +133,27 @@ def test_hugging_face_padded_labels_loss_is_refused_naming_the_helper():
     engine.detach()
 
 
+def test_hugging_face_attention_dropout_in_training_mode_is_not_taken_for_mixing():
+    """BERT's attention calls F.dropout itself when in training mode (p = 0.1 here): the check's forwards switch
+    Hugging Face's modules to eval, so this per-example model passes at the first and at later micro-batches."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    config = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=24)
+    model = transformers.BertModel(config, add_pooling_layer=False).train()
+    ids = torch.randint(0, 32, (5, 8))
+    engine = PerSampleEngine(model).attach()
+
+    def run(i):
+        s = slice(None) if i is None else i
+        return model(input_ids=ids[s], position_ids=torch.arange(8).expand(5, 8)[s],
+                     token_type_ids=torch.zeros_like(ids[s])).last_hidden_state[:, 0].pow(2).mean()
+
+    assert engine.check_layout(run, 5) and engine.check_layout(run, 5, every_batch=True)
+    assert all(m.training for m in model.modules())
+    engine.detach()
+
+
 def test_causal_lm_loss_is_the_mean_of_per_example_losses_and_hf_s_is_not():
     model = _llama(1).double().eval()
     ids, mask, labels = _padded(seed=1)

@@ -9,7 +9,8 @@ A third is after the last layer, in the loss: a mean over every token of the mic
 ``B·T_i/ΣT_j``, so one example's influence is no longer bounded by the clipping norm.
 
 So every forward of the checks runs in the module's own training mode, with only the modules that draw random
-numbers in training mode (dropout, the dropout of RNNs and of ``nn.MultiheadAttention``) switched to eval, and
+numbers in training mode (dropout, the dropout of RNNs and of ``nn.MultiheadAttention``, and Hugging Face's
+modules, whose attention calls ``F.dropout`` itself when in training mode) switched to eval, and
 from one random state (``torch.random.fork_rng``): two forwards of the same examples then compute the same rows.
 On top of the layout check's forwards, the *spot check* (:func:`spot_lines`) runs the forward on two examples
 ``j, k`` of the micro-batch together and on each alone, and requires
@@ -46,14 +47,21 @@ RANDOM_IN_TRAINING = (nn.modules.dropout._DropoutNd, nn.RNNBase, nn.MultiheadAtt
 IGNORE_INDEX = -100
 
 
+def _random_in_training(m: nn.Module) -> bool:
+    # Hugging Face's attention draws its dropout with F.dropout(p if self.training else 0.0) in the attention
+    # module itself; its modules differ between the modes by dropout (and checkpointing) only
+    return isinstance(m, RANDOM_IN_TRAINING) or type(m).__module__.startswith("transformers.")
+
+
 @contextmanager
 def check_modes(module: nn.Module) -> Iterator[None]:
-    """The check's mode: every submodule as it is (training mode stays on), except :data:`RANDOM_IN_TRAINING`,
-    switched to eval so that the forwards draw no dropout mask; all modes restored after."""
+    """The check's mode: every submodule as it is (training mode stays on), except :data:`RANDOM_IN_TRAINING`
+    and the modules of the ``transformers`` package, switched to eval so that the forwards draw no dropout
+    mask; all modes restored after."""
     modes = [(m, m.training) for m in module.modules()]
     try:
         for m in module.modules():
-            if isinstance(m, RANDOM_IN_TRAINING):
+            if _random_in_training(m):
                 m.training = False
         yield
     finally:
