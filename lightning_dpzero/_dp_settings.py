@@ -4,7 +4,7 @@ per-example engine they attach before DeepSpeed wraps the model (docs/design.md,
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -48,7 +48,7 @@ class DPSettings:
     def init_dp_settings(self, *, noise_multiplier: Optional[float], max_grad_norm: float, clipping: str,
                          clipping_fn: str, gamma: float, clipping_mode: str, clipping_groups, group_max_grad_norms,
                          poisson_sampling: bool, secure_mode: bool, seed: Optional[int], loss_reduction: str,
-                         layout_check: bool, max_micro_batch_size: Optional[int] = None) -> None:
+                         layout_check: Any, max_micro_batch_size: Optional[int] = None) -> None:
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma, clipping_mode)
         self.clipping_mode = clipping_mode
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
@@ -60,8 +60,18 @@ class DPSettings:
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
         validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
-        self.layout_check = _refusals.warn_layout_check_off(layout_check)
+        self.layout_check = _refusals.layout_check_mode(layout_check)
         self.per_sample: Optional[PerSampleEngine] = None
+
+    def layout_check_due(self) -> bool:
+        """Whether the per-example check runs at this micro-batch: at every one, or until the first passed."""
+        return self.layout_check == "every-batch" or (self.layout_check == "first-batch"
+                                                      and not self.per_sample.layout_verified)
+
+    @property
+    def spot_checks(self) -> bool:
+        """Whether every micro-batch after the first is spot-checked (``layout_check="every-batch"``)."""
+        return self.layout_check == "every-batch"
 
     def _engine(self, module: nn.Module, groups) -> PerSampleEngine:
         return PerSampleEngine(module, self.mechanism.max_grad_norm, self.clipping, self.clipping_fn, self.gamma,

@@ -80,15 +80,21 @@ def warn_injected_batch_size_one(dataloader) -> None:
             "replaces the sampling anyway), or set Trainer(use_distributed_sampler=False) to have it refused.")
 
 
-def warn_layout_check_off(layout_check: bool) -> bool:
-    """``layout_check`` as given; ``False`` warns what is then no longer proven."""
-    if not layout_check:
+def layout_check_mode(layout_check) -> str:
+    """``layout_check`` as one of ``LayoutCheck`` (``True``: ``"every-batch"``, ``False``: ``"off"``); ``"off"``
+    warns what is then no longer proven. Raises ``ValueError`` for another value."""
+    from ._options import LayoutCheck, check_option
+
+    mode = (("every-batch" if layout_check else "off") if isinstance(layout_check, bool)
+            else check_option("layout_check", layout_check, LayoutCheck))
+    if mode == "off":
         rank_zero_warn(
-            "layout_check=False: the strategy does not prove that every layer's input is batch first and per "
-            "example. A time-first activation (T, B, d) with T == B, or an input shared by every example (T5's "
-            "relative attention bias with L == B), would then train with wrong per-example gradients and release "
-            "non-private updates without an error.")
-    return bool(layout_check)
+            f"layout_check={layout_check!r}: the strategy does not prove that every layer's input is batch first "
+            "and per example, nor that the loss is per example. A time-first activation (T, B, d) with T == B, an "
+            "input shared by every example (T5's relative attention bias with L == B), a statistic over the "
+            "batch or a loss averaged over the batch's tokens would then train with wrong per-example gradients "
+            "and release non-private updates without an error.")
+    return mode
 
 
 def micro_batches_per_epoch(dataloader, loader, trainer) -> int:

@@ -21,7 +21,7 @@ The order of the loop's calls is checked by :class:`~lightning_dpzero._fabric_lo
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
@@ -36,7 +36,7 @@ from ._launch import FabricDeepSpeedLaunchMixin
 from .accounting.background import check_accounting_worker
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
-from ._options import (Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LossReduction,
+from ._options import (Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction,
                        check_loop_bounds, check_option)
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
@@ -94,7 +94,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                  clipping: Clipping = "layer-wise", clipping_fn: ClippingFn = "abadi", gamma: float = 0.01,
                  clipping_groups: Optional[list[list[str]]] = None, group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
-                 loss_reduction: LossReduction = "mean", layout_check: bool = True,
+                 loss_reduction: LossReduction = "mean",
+                 layout_check: Union[bool, LayoutCheck] = "every-batch",
                  max_micro_batch_size: Optional[int] = None,
                  target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
                  max_steps: Optional[int] = None, max_epochs: Optional[int] = None,
@@ -277,12 +278,12 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         if not steps.fit_started:
             self.mechanism.begin_fit({_COUNTER: steps.taken})
             steps.fit_started = True
-        if self.layout_check and not self.per_sample.layout_verified:
-            self._in_layout_check = True
+        if self.layout_check_due():
+            self._in_layout_check, b = True, steps.stand_in_rows or steps.batch_size
             try:
                 self.mechanism.check_layout(
-                    lambda index: engine(*reindex_batch(args, index), **reindex_batch(kwargs, index)),
-                    steps.stand_in_rows or steps.batch_size)
+                    lambda index: engine(*reindex_batch(args, index, b), **reindex_batch(kwargs, index, b)),
+                    b, every_batch=self.spot_checks)
             finally:
                 self._in_layout_check = False
         self.per_sample.start_micro_batch(steps.batch_size, steps.stand_in_rows)

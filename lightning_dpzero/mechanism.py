@@ -306,12 +306,13 @@ class DPMechanism:
         return self.check_finite_loss(zero_loss(loss) if batch_size == 0 else loss, step)
 
     def check_layout(self, rerun: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int], *,
-                     module: Any = None) -> bool:
-        """The engine's layout check (:meth:`PerSampleEngine.check_layout`) over the run's ranks, ``module``'s
-        ``log``/``log_dict`` calls dropped during its forwards; ``rerun(index)`` runs the micro-batch's
-        ``training_step`` on the batch re-indexed by ``index``."""
+                     module: Any = None, every_batch: bool = False) -> bool:
+        """The engine's layout check (:meth:`PerSampleEngine.check_layout`; ``every_batch``: then its spot
+        check at every later micro-batch) over the run's ranks, ``module``'s ``log``/``log_dict`` calls dropped
+        during its forwards; ``rerun(index)`` runs the micro-batch's ``training_step`` on the batch re-indexed
+        by ``index``."""
         with logging_suppressed(module):
-            return self.engine.check_layout(rerun, batch_size, self.collectives)
+            return self.engine.check_layout(rerun, batch_size, self.collectives, every_batch=every_batch)
 
     def check_finite_loss(self, out: Any, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
         """Stop on a NaN/inf loss (any rank; all ranks agree in one all-reduce), with the step charged.

@@ -28,7 +28,7 @@ from . import _known_warnings, _lightning_loop as _loop, _refusals
 from ._dp_settings import DPSettings, OfMechanism
 from ._manual_loop import ManualSteps, one_optimizer
 from ._launch import DeepSpeedLaunchMixin
-from ._options import Clipping, ClippingFn, ClippingMode, LossReduction
+from ._options import Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction
 from ._strategy_names import register_names
 from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
@@ -68,8 +68,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
             the ledger charge the probability of that in δ, and a b so small that it would take more than half of
             δ is refused before training, naming the smallest b that fits (docs/privacy.md, *Bounded
             micro-batches*).
-        layout_check: prove at the first micro-batch, with two extra forwards, that every layer's input is batch
-            first and per example (``PerSampleEngine.check_layout``). ``False`` skips it, with a warning.
+        layout_check: ``"every-batch"`` (default): prove that layer inputs and loss are per example at the first
+            micro-batch, then spot-check each later one (docs/reliability.md). ``"first-batch"``, ``"off"``.
 
     Raises:
         ValueError: bad settings, when constructed (a YAML config with a bad string option fails when parsed).
@@ -98,7 +98,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  clipping_groups: Optional[Union[Literal["param_groups"], list[list[str]]]] = None,
                  group_max_grad_norms: Optional[list[float]] = None,
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
-                 loss_reduction: LossReduction = "mean", layout_check: bool = True,
+                 loss_reduction: LossReduction = "mean", layout_check: Union[bool, LayoutCheck] = "every-batch",
                  max_micro_batch_size: Optional[int] = None, clipping_mode: ClippingMode = "book-keeping",
                  **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
@@ -200,10 +200,10 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                 return super(DPDeepSpeedStrategy, self).training_step(*batch_args, **kwargs)
 
         trainer = self.lightning_module.trainer
-        if self.layout_check and args and not self.per_sample.layout_verified:  # before the first update
+        if args and self.layout_check_due():  # before this micro-batch's update
             with self._manual.inert(trainer):
-                self.mechanism.check_layout(lambda index: run((reindex_batch(args[0], index), *args[1:])), rows,
-                                            module=self.lightning_module)
+                self.mechanism.check_layout(lambda i: run((reindex_batch(args[0], i, rows), *args[1:])), rows,
+                                            module=self.lightning_module, every_batch=self.spot_checks)
         return self.mechanism.training_step(run, batch_size, module=self.lightning_module,
                                             step=trainer.global_step + 1, epoch=trainer.current_epoch,
                                             stand_in_rows=rows if batch_size == 0 else 0,

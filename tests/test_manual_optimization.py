@@ -149,12 +149,12 @@ def test_what_the_ledger_would_not_account_is_refused_before_its_update(pattern,
 
 
 def test_one_step_per_batch_is_charged_once_and_the_layout_check_advances_nothing():
-    """The layout check re-runs training_step twice at the first batch: its backward, step and scheduler step are
-    inert, so Lightning's global_step, DeepSpeed's steps, the ledger and the scheduler count each step once."""
+    """The per-example check re-runs training_step five times at the first batch and four at each later one
+    (layout_check="every-batch"): its backward, step and scheduler step are inert, so Lightning's global_step, DeepSpeed's steps, the ledger and the scheduler count each step once."""
     model = Manual("once")
     trainer, strategy = _fit(model, steps=3)
     assert trainer.global_step == strategy.ledger.steps == strategy.deepspeed_engine.global_steps == 3
-    assert model.calls == 3 + 2  # two layout-check re-runs at the first batch
+    assert model.calls == 3 + 5 + 2 * 4  # the check's re-runs: five at the first batch, four at each later one
     assert model.scheduler_steps == 1 + 3  # its first call at construction, then once per step
     assert model.moved
 
@@ -163,7 +163,7 @@ def test_a_batch_left_out_is_neither_released_nor_charged():
     model = Manual("skip_odd")
     trainer, strategy = _fit(model, steps=2)
     assert trainer.global_step == strategy.ledger.steps == 2
-    assert model.calls == 2 + 2 + 1  # steps on batches 0 and 2, batch 1 left out, two layout re-runs
+    assert model.calls == 3 + 5 + 4 + 4  # steps on batches 0 and 2, batch 1 left out; the check's re-runs
 
 
 def test_a_non_finite_loss_in_manual_backward_stops_before_the_update_with_the_step_charged():

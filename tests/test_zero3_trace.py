@@ -93,7 +93,8 @@ def test_after_the_layout_check_backward_gathers_nothing_itself(monkeypatch, fix
     if not fixed:  # the same run without the fix: shows the test can fail
         monkeypatch.setattr("lightning_dpzero._dp_settings.keep_release_decisions_fresh", lambda engine: None)
     steps = _spy_on_backward_gathers(monkeypatch)
-    strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.0, clipping="all-layer")
+    # "first-batch": the every-batch spot check's forwards reset ZeRO-3's trace at every step (docs/reliability.md)
+    strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.0, clipping="all-layer", layout_check="first-batch")
     strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every Linear partitioned
 
     class Steps(L.Callback):
@@ -120,7 +121,7 @@ def test_fabric_too(monkeypatch):
     from lightning_dpzero import DPFabricStrategy
 
     steps = _spy_on_backward_gathers(monkeypatch)
-    strategy = DPFabricStrategy(stage=3, noise_multiplier=1.0, clipping="all-layer")
+    strategy = DPFabricStrategy(stage=3, noise_multiplier=1.0, clipping="all-layer", layout_check="first-batch")
     strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
     fabric.launch()

@@ -38,7 +38,8 @@ from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
 from .broadcast import on_shared_indices
 from .clipping import ClipStats, clip_coefficients_sq, form_groups, validate_clipping
 from .coverage import attach_hooks, check_batch_mixing, check_coverage, check_none_unfrozen, install_guards
-from .layout import batch_checked_input, run_layout_check
+from .layout import batch_checked_input
+from .mixing import run_layout_check, run_spot_check
 from . import sums
 from .maths import InputGrams
 from .paths import InputReaders
@@ -100,6 +101,7 @@ class PerSampleEngine:
         self.hooks: list[LayerHook] = []
         self._layout = None  # the layout check's recorder while it runs (layout.py)
         self.layout_verified = False  # every rank passed the layout check with two or more examples
+        self._checks = 0  # micro-batches checked (layout check, then spot checks: mixing.py)
         self._guards: list = []
         self.active = False
         # _post_processing.py: forwards without the engine (after a private step), a generator's backward under way
@@ -259,11 +261,15 @@ class PerSampleEngine:
         return hook.run(x, hook.rule.params(hook.module), extra)
 
     def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
-                     collectives: Any = None) -> bool:
-        """Prove, before the first update, that every layer's input is batch first and per example: two
-        forwards without gradients, the second on the micro-batch re-indexed (``layout.py``). Call it with the
+                     collectives: Any = None, every_batch: bool = False) -> bool:
+        """Prove, before the first update, that every layer's input is batch first and per example: forwards
+        without gradients in the module's training mode (dropout off), the second on the micro-batch
+        re-indexed (``layout.py``), then the spot check: two examples together and each alone, whose layer
+        inputs must be the micro-batch's rows and whose losses must add up (``mixing.py``). Call it with the
         micro-batch before its training forward until it returns True (``layout_verified``: every rank has
-        passed it with two or more examples); the strategy does so at each fit.
+        passed it with two or more examples); the strategy does so at each fit. ``every_batch``: once proven,
+        run the spot check on each later call (before that micro-batch's update), as the strategy does by
+        default; else later calls return at once.
 
         Args:
             run_forward: ``run_forward(index)`` runs the forward and loss on the micro-batch, every tensor of
@@ -272,20 +278,26 @@ class PerSampleEngine:
                 for any batch structure.
             batch_size: B.
             collectives: the ranks (any Lightning strategy); ``None`` for one process.
+            every_batch: spot-check every later micro-batch (four forwards without gradients each).
 
         Raises:
             UnsupportedLayerError: naming each layer whose input is not batch first and per example (time
-                first, shared by every example, mixing examples) and the fix.
+                first, shared by every example, mixing examples), a loss that is not the mean (``loss_reduction
+                "sum"``: the sum) of per-example losses, or Hugging Face's token-averaged ``labels=`` loss, and
+                the fix.
 
         Example:
             >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
             >>> engine = PerSampleEngine(model).attach()
             >>> x = torch.randn(5, 4)
-            >>> engine.check_layout(lambda i: model(x if i is None else x[i]).sum(), batch_size=5)
+            >>> engine.check_layout(lambda i: model(x if i is None else x[i]).mean(), batch_size=5)
             True
         """
+        self._checks += 1
         if not self.layout_verified:
             self.layout_verified = run_layout_check(self, run_forward, batch_size, collectives)
+        elif every_batch:
+            run_spot_check(self, run_forward, batch_size, collectives, self._checks, f"micro-batch {self._checks}")
         return self.layout_verified
 
     def _record_call(self, hook: LayerHook, args: tuple, kwargs: dict) -> None:

@@ -8,8 +8,8 @@ embedding of ``(L, L)`` position buckets broadcast over the batch) when L == B. 
 across examples mix examples the same way. None of these can be seen from shapes; all are seen by how a
 site's input moves when the batch is re-indexed.
 
-:func:`run_layout_check` runs the user's forward twice without gradients, in eval mode (so that dropout
-draws nothing) and from the same random state: on the micro-batch, and on a copy re-indexed by ``s``, a
+:func:`.mixing.run_layout_check` runs the user's forward twice without gradients, in training mode with
+dropout switched off (``mixing.check_modes``) and from the same random state: on the micro-batch, and on a copy re-indexed by ``s``, a
 fixed permutation of the B examples in which one example is repeated (``s[1] = s[0]``). For a per-example,
 batch-first site the second input is exactly the first one's rows ``s``: ``x' = x[s]``. A time-first input
 becomes ``x[:, s]``, a shared one stays ``x``, and one that mixes examples (a statistic over the batch, which
@@ -21,8 +21,8 @@ float64 (projections commute with row indexing), compared with a relative tolera
 
 A failure is refused before any update, one line per module class and cause, with the fix: batch-first
 activations, freezing a shared parameter (named), or making each example's computation its own. What the
-check cannot see: examples mixed after the last site (in the loss: :func:`check_per_example`), and mixing
-that only a training-mode forward does (BatchNorm is refused when the engine attaches).
+check cannot see, examples mixed after the last site (in the loss) or only at later micro-batches, is the
+spot check's (``mixing.py``), which follows it in the same call.
 
 Cost: two forwards without gradients at the first micro-batch of a fit (repeated at later micro-batches only
 while some rank has not yet had two or more examples), and one all-reduce of two numbers per check.
@@ -31,12 +31,11 @@ while some rank has not yet had two or more examples), and one all-reduce of two
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from .._collectives import sum_over_ranks
 from .base import UnsupportedLayerError
-from .broadcast import mark_shared_indices
 from .parameters import ParameterHook
 
 #: random projections per row of each recorded tensor
@@ -89,15 +88,15 @@ def index_map(b: int) -> torch.Tensor:
     return s
 
 
-def reindex_batch(batch: Any, index: Optional[torch.Tensor]) -> Any:
-    """``batch`` with every tensor whose first dimension is ``len(index)`` indexed by ``index`` (rows
-    ``index[i]`` become row i); mappings, sequences and dataclasses are walked (Lightning's
-    ``apply_to_collection``); ``index=None`` returns ``batch`` itself."""
+def reindex_batch(batch: Any, index: Optional[torch.Tensor], batch_size: Optional[int] = None) -> Any:
+    """``batch`` with every tensor whose first dimension is ``batch_size`` (default ``len(index)``: a
+    re-ordering; fewer: a sub-batch) indexed by ``index`` (rows ``index[i]`` become row i); mappings, sequences
+    and dataclasses are walked (Lightning's ``apply_to_collection``); ``index=None`` returns ``batch`` itself."""
     if index is None:
         return batch
     from lightning_utilities.core.apply_func import apply_to_collection
 
-    b = len(index)
+    b = len(index) if batch_size is None else int(batch_size)
     return apply_to_collection(batch, torch.Tensor,
                                lambda t: t[index.to(t.device)] if t.dim() >= 1 and t.shape[0] == b else t)
 
@@ -106,10 +105,10 @@ class _Rows:
     """A tensor summarised per row (along dimension ``dim``): exact values for integers, else norms and random
     projections in float64."""
 
-    __slots__ = ("shape", "exact", "norms", "proj", "tol", "lengths")
+    __slots__ = ("shape", "dim", "exact", "norms", "proj", "tol", "lengths")
 
     def __init__(self, t: torch.Tensor, dim: int, vectors: "_Vectors"):
-        self.shape, self.lengths = tuple(t.shape), None
+        self.shape, self.dim, self.lengths = tuple(t.shape), dim, None
         t = t.detach().movedim(dim, 0)
         self.exact = None if t.is_floating_point() else t.clone()
         self.tol = TOL if t.dtype in (torch.float32, torch.float64) else HALF_TOL
@@ -126,7 +125,7 @@ class _Rows:
         """Rows of unequal lengths (a ragged input: example i's sequence or bag), each summarised alone."""
         self = cls.__new__(cls)
         flat = [r.detach().reshape(-1) for r in rows]
-        self.shape, self.lengths = (len(flat), "ragged"), torch.tensor([r.numel() for r in flat])
+        self.shape, self.dim, self.lengths = (len(flat), "ragged"), 0, torch.tensor([r.numel() for r in flat])
         floating = bool(flat) and flat[0].is_floating_point()
         self.exact = None if floating or not flat else [r.clone() for r in flat]
         self.tol = TOL if not flat or flat[0].dtype in (torch.float32, torch.float64) else HALF_TOL
@@ -139,7 +138,9 @@ class _Rows:
 
     def matches(self, other: "_Rows", index: Optional[torch.Tensor] = None) -> bool:
         """Whether ``other`` holds this tensor's rows ``index`` (``None``: the same rows)."""
-        if other is None or other.shape != self.shape:
+        want = self.shape if index is None else (  # a sub-batch: its rows only
+            *self.shape[:self.dim], len(index), *self.shape[self.dim + 1:])
+        if other is None or other.shape != want:
             return False
         if self.lengths is not None:
             mine = self.lengths if index is None else self.lengths[index]
@@ -181,7 +182,7 @@ class _Recorder:
     """What each call of an attached layer received, in call order (``PerSampleEngine._record_call``)."""
 
     def __init__(self, b: int, vectors: _Vectors):
-        self.b, self.vectors, self.calls = b, vectors, []
+        self.b, self.vectors, self.calls, self.loss = b, vectors, [], None
 
     def record(self, hook, args: tuple, kwargs: dict) -> None:
         rows = []
@@ -196,15 +197,26 @@ class _Recorder:
 
 
 def _record(engine, run_forward, index, b: int, vectors: _Vectors) -> _Recorder:
+    """One forward of the check on the micro-batch re-indexed by ``index``, from the same random state as the
+    others (forked: the user's stream does not advance); its calls recorded, its loss kept (``rec.loss``)."""
     rec = _Recorder(b, vectors)
     rec.index = index  # this pass's re-indexing (broadcast.py tags shared values' copies by example)
     engine._layout = rec
     try:
         with torch.random.fork_rng(devices=_devices()), torch.no_grad():
-            run_forward(index)
+            rec.loss = loss_value(run_forward(index))
     finally:
         engine._layout = None
     return rec
+
+
+def loss_value(out: Any) -> Optional[tuple[float, bool]]:
+    """The scalar loss of a forward's output (a tensor, a mapping or Hugging Face output with ``"loss"``) in
+    float64 and whether it was computed in 16 bits; ``None`` if there is none."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        return None
+    return float(loss.detach().double()), loss.dtype not in (torch.float32, torch.float64)
 
 
 def _devices() -> list[int]:
@@ -255,7 +267,8 @@ _WHY = {
                "over the batch, e.g. T5's relative position buckets (L, L)), so its output has no per-example part "
                "and its parameters cannot be clipped per example"),
     "mixed": ("row i of its input depends on other examples than i (statistics over the batch such as "
-              "h - h.mean(0), attention across the examples, or randomness in training_step), so per-example "
+              "h - h.mean(0), mixup, attention across the examples, or randomness drawn in training_step or the "
+              "forward, such as F.dropout: use nn.Dropout modules, which the check switches off), so per-example "
               "gradients do not exist. Fix: make each example's computation depend on that example only"),
     "not batch first": ("its input's first dimension is not the micro-batch, and the input changes with the "
                         "examples. Fix: keep every layer's input batch first, (B, ...)"),
@@ -265,7 +278,8 @@ _WHY = {
 }
 
 
-def _message(engine, failures: list[tuple[Any, str]], b: int) -> str:
+def layer_lines(engine, failures: list[tuple[Any, str]]) -> list[str]:
+    """One line per module class and cause of ``failures`` (``(hook, cause)`` pairs), with the fix."""
     groups: dict[tuple[str, str], list] = {}
     for hook, cause in failures:
         groups.setdefault((type(hook.module).__name__, cause), [])
@@ -285,63 +299,33 @@ def _message(engine, failures: list[tuple[Any, str]], b: int) -> str:
             why += (f". Fix: freeze {'it' if len(params) == 1 else 'them'} before training: {fix} (module: the "
                     "model given to the engine; with Lightning, the LightningModule)")
         lines.append(f"{cls} {shown}{more}: {why}")
-    return ("The per-example layout check failed (with the micro-batch of "
-            f"{b} examples re-indexed, a layer's input did not follow its examples); training would release "
-            "non-private updates, so it stops before the first one:\n  - " + "\n  - ".join(lines)
-            + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=False)).")
+    return lines
 
 
-def run_layout_check(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
-                     collectives=None) -> bool:
-    """Run the check once (two forwards of ``run_forward``, see the module docstring) and agree over the ranks.
-
-    Args:
-        engine: the attached :class:`~lightning_dpzero.per_sample.PerSampleEngine`.
-        run_forward: ``run_forward(index)`` runs the forward (e.g. the user's ``training_step``) on the
-            micro-batch, re-indexed by ``index`` (``None``: as it is; see :func:`reindex_batch`).
-        batch_size: B, the micro-batch's number of examples (0 and 1 are checked only for batch dimensions).
-        collectives: the ranks (``world_size`` and ``reduce(tensor, reduce_op="sum")``, as any Lightning
-            strategy); ``None`` for one process.
-
-    Returns:
-        Whether every rank has now passed the check with two or more examples (else call it again at the
-        next micro-batch).
-
-    Raises:
-        UnsupportedLayerError: the check failed on this rank, or on another (the same number of forwards ran on
-            every rank, so ZeRO-3's collective gathers stay matched).
-    """
-    b = int(batch_size) if batch_size is not None else 0
-    s = index_map(b)
-    module = engine.module
-    modes = [(m, m.training) for m in module.modules()]
-    vectors = _Vectors()
-    try:
-        module.eval()
-        ref = _record(engine, run_forward, None, b, vectors)
-        new = _record(engine, run_forward, s, b, vectors)
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    failures = _failures(ref, new, s, b) if b >= 1 else []
-    marked = mark_shared_indices(failures)  # embeddings on shared indices of length B: checked again as such
-    failures = [f for f in failures if f[0] not in marked]
-    bad, pending, again = float(bool(failures)), float(b < 2), float(bool(marked))
+def agree_or_raise(engine, lines: list[str], b: int, pending: bool, collectives, what: str,
+                   again: bool = False) -> tuple[bool, bool]:
+    """Agree over the ranks (one all-reduce of three numbers) on whether any rank has failure ``lines``, and
+    raise on every rank if one has; ``what``: which micro-batch was checked. Returns whether no rank is
+    ``pending`` (checked with fewer than two examples), and whether any rank asks to check ``again`` (an
+    embedding on shared indices marked as such: every rank then runs the same forwards again)."""
+    bad, pending_n, again_n = float(bool(lines)), float(pending), float(again)
     world = getattr(collectives, "world_size", 1) if collectives is not None else 1
+    bad_all = bad
     if world > 1:
-        flags = sum_over_ranks(collectives, torch.tensor([bad, pending, again], dtype=torch.float32,
+        flags = sum_over_ranks(collectives, torch.tensor([bad, pending_n, again_n], dtype=torch.float32,
                                                           device=_reduce_device(engine)))
-        bad_all, pending, again = float(flags[0]), float(flags[1]), float(flags[2])
-    else:
-        bad_all = bad
-    if failures:
-        raise UnsupportedLayerError(_message(engine, failures, b))
+        bad_all, pending_n, again_n = float(flags[0]), float(flags[1]), float(flags[2])
+    if lines:
+        raise UnsupportedLayerError(
+            f"The per-example layout check failed at {what} (with the micro-batch of {b} examples re-indexed, or "
+            "some of its examples run alone, a layer's input or the loss did not follow its examples); training would "
+            "release non-private updates, so it stops before this micro-batch's update:\n  - "
+            + "\n  - ".join(lines)
+            + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=\"off\")).")
     if bad_all:
-        raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s) (their "
-                                    "error names the layers); training stops before the first update.")
-    if again:  # every rank runs the check again (the same number of forwards on each: ZeRO-3's gathers)
-        return run_layout_check(engine, run_forward, batch_size, collectives)
-    return pending == 0
+        raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s), at {what} "
+                                    "(their error names the layers); training stops before this micro-batch's update.")
+    return pending_n == 0, again_n > 0
 
 
 def _reduce_device(engine) -> torch.device:
