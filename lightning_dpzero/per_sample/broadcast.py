@@ -92,7 +92,7 @@ class Shared(torch.Tensor):
             out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
             if not isinstance(out, (torch.Tensor, tuple, list)):
                 return out  # a shape, a dtype, a Python number
-            b = origin.b if origin.b is not None else (origin.record.b if origin.record is not None else None)
+            b = origin.b if origin.b is not None else (origin.record.rows if origin.record is not None else None)
             if isinstance(out, torch.Tensor) and _broadcast_point(out, shared, b):
                 return _at_broadcast(func, args, kwargs, out, shared, origin, b)
             if any(a.requires_grad for a in others) and torch.is_grad_enabled():
@@ -221,7 +221,7 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     (its indices do not follow the examples; a later B equal to L must not make them look batch first). In the
     layout check its broadcast points are recorded instead of its indices."""
     layout = engine._layout
-    b = engine.expected_batch_size if layout is None else layout.b
+    b = engine.expected_batch_size if layout is None else layout.rows
     if not hook.__dict__.get("shared_indices"):
         if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point() or b is None
                 or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b)) or _zero3(hook)):

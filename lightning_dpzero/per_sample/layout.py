@@ -201,6 +201,7 @@ def _record(engine, run_forward, index, b: int, vectors: _Vectors) -> _Recorder:
     others (forked: the user's stream does not advance); its calls recorded, its loss kept (``rec.loss``)."""
     rec = _Recorder(b, vectors)
     rec.index = index  # this pass's re-indexing (broadcast.py tags shared values' copies by example)
+    rec.rows = b if index is None else len(index)  # the examples this pass runs (fewer in the spot check's)
     engine._layout = rec
     try:
         with torch.random.fork_rng(devices=_devices()), torch.no_grad():

@@ -168,7 +168,13 @@ def spot_lines(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], ref
     """The spot check against ``ref`` (the recorded forward of the full micro-batch): three forwards (examples
     ``j, k`` together, each alone; see the module docstring). Returns the failure lines, one per cause."""
     index = spot_index(b, draw)
-    subs = [None if index is None else index[list(part)] for part in ((0, 1), (0,), (1,))]
+    # A model with shared values (parameters used directly, embeddings on shared indices: broadcast.py) runs the
+    # pair only: in a forward of one example every operation's output has the batch's size 1, so where the
+    # forward broadcasts a shared value cannot be told apart, and the loss check (which needs each alone) is left
+    # to the first micro-batch's full check of the layers; the pair still checks every layer's input rows.
+    alone = not any(getattr(h, "shared", False) or h.__dict__.get("shared_indices") for h in engine.hooks)
+    parts = ((0, 1), (0,), (1,)) if alone else ((0, 1),)
+    subs = [None if index is None else index[list(part)] for part in parts]
     recs = [_record(engine, run_forward, sub, b, vectors) for sub in subs]
     if index is None:
         return []
@@ -177,6 +183,8 @@ def spot_lines(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], ref
         failures += [f for f in _sub_failures(ref, rec, sub, b) if f not in failures]
     if failures:  # the loss of a forward that mixes examples mixes them too: the layers are the cause
         return layer_lines(engine, failures)
+    if not alone:
+        return []
     half = any(r0.exact is None and r0.tol == HALF_TOL for _, rows in ref.calls for r0, _ in rows)
     return _loss_lines(recs[0].loss, [recs[1].loss, recs[2].loss], index, engine.loss_reduction, half)
 
