@@ -48,7 +48,7 @@ def format_refusal(exc: BaseException) -> str:
 def _hook(exc_type: type, exc: BaseException, tb: Optional[TracebackType]) -> None:
     if not is_refusal(exc):
         return _hook.previous(exc_type, exc, tb)
-    if _rank != 0:
+    if _rank != 0 and not getattr(exc, "print_on_this_rank", False):
         # (once the process group is up, torch's own excepthook puts "[rankN]: " in front of what this one prints)
         dist = sys.modules.get("torch.distributed")
         prefixed = dist is not None and dist.is_available() and dist.is_initialized()

@@ -311,18 +311,22 @@ def agree_or_raise(engine, lines: list[str], b: int, pending: bool, collectives,
     embedding on shared indices marked as such: every rank then runs the same forwards again)."""
     bad, pending_n, again_n = float(bool(lines)), float(pending), float(again)
     world = getattr(collectives, "world_size", 1) if collectives is not None else 1
-    bad_all = bad
+    rank = getattr(collectives, "global_rank", 0) if world > 1 else 0
+    bad_all, rank0_bad = bad, bad
     if world > 1:
-        flags = sum_over_ranks(collectives, torch.tensor([bad, pending_n, again_n], dtype=torch.float32,
-                                                          device=_reduce_device(engine)))
-        bad_all, pending_n, again_n = float(flags[0]), float(flags[1]), float(flags[2])
+        flags = sum_over_ranks(collectives, torch.tensor([bad, pending_n, again_n, bad if rank == 0 else 0.0],
+                                                         dtype=torch.float32, device=_reduce_device(engine)))
+        bad_all, pending_n, again_n, rank0_bad = (float(f) for f in flags)
     if lines:
-        raise UnsupportedLayerError(
+        error = UnsupportedLayerError(
             f"The per-example layout check failed at {what} (with the micro-batch of {b} examples re-indexed, or "
             "some of its examples run alone, a layer's input or the loss did not follow its examples); training would "
             "release non-private updates, so it stops before this micro-batch's update:\n  - "
             + "\n  - ".join(lines)
             + "\nThe check can be turned off only explicitly (DPDeepSpeedStrategy(layout_check=\"off\")).")
+        # a failure rank 0 does not share is printed by the rank that found it (rank 0 only says where it is)
+        error.print_on_this_rank = rank != 0 and not rank0_bad
+        raise error
     if bad_all:
         raise UnsupportedLayerError(f"The per-example layout check failed on {int(bad_all)} other rank(s), at {what} "
                                     "(their error names the layers); training stops before this micro-batch's update.")

@@ -171,12 +171,13 @@ def spot_lines(engine, run_forward: Callable[[Optional[torch.Tensor]], Any], ref
     # A model with shared values (parameters used directly, embeddings on shared indices: broadcast.py) runs the
     # pair only: in a forward of one example every operation's output has the batch's size 1, so where the
     # forward broadcasts a shared value cannot be told apart, and the loss check (which needs each alone) is left
-    # to the first micro-batch's full check of the layers; the pair still checks every layer's input rows.
+    # to the first micro-batch's full check of the layers; the pair still checks every layer's input rows, in a
+    # micro-batch of two or more examples (the full micro-batch's forward of one example is as ambiguous).
     alone = not any(getattr(h, "shared", False) or h.__dict__.get("shared_indices") for h in engine.hooks)
     parts = ((0, 1), (0,), (1,)) if alone else ((0, 1),)
     subs = [None if index is None else index[list(part)] for part in parts]
     recs = [_record(engine, run_forward, sub, b, vectors) for sub in subs]
-    if index is None:
+    if index is None or (not alone and b < 2):  # (the pair's forward still ran: every rank runs the same ones)
         return []
     failures = []
     for sub, rec in zip(subs, recs):

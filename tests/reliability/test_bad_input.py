@@ -148,22 +148,22 @@ def test_deepspeed_gradient_clipping_is_refused():
              r"gradient_clipping=1.0.*Remove it from the config")
 
 
-class _Scale(nn.Module):
-    """A layer no per-example rule covers: a raw parameter used in forward next to a trainable child (a layer
-    with a raw parameter and no trainable children gets the generic rule)."""
+class _Misused(nn.Module):
+    """A raw parameter used as a weight matrix next to a trainable child: not a broadcast over the batch, so no
+    per-example gradient is formed for it (a parameter broadcast over the batch, a layer scale, trains)."""
 
     def __init__(self):
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(8))
+        self.w = nn.Parameter(torch.eye(8))
         self.inner = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.inner(x) * self.gain
+        return self.inner(x) @ self.w
 
 
 @pytest.mark.parametrize("layer, match", [
     (nn.BatchNorm1d(8), r"(?s)BatchNorm1d.*body\.1.*GroupNorm"),
-    (_Scale(), r"(?s)body\.1\.gain.*_Scale"),
+    (_Misused(), r"(?s)_Misused 'body\.1'"),
 ])
 def test_unsupported_layer_is_refused(layer, match):
     body = nn.Sequential(nn.Linear(4, 8), layer, nn.Linear(8, 2))
