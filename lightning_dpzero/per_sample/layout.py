@@ -190,6 +190,10 @@ class _Recorder:
             if isinstance(t, list):  # a ragged input: one tensor per example
                 rows.append((_Rows.ragged(t, self.vectors), None))
                 continue
+            if type(t) is not torch.Tensor and isinstance(t, torch.Tensor):
+                # (a shared value reaching a layer unbroadcast, broadcast.py: its summary is a plain tensor's)
+                with torch._C.DisableTorchFunctionSubclass():
+                    t = t.as_subclass(torch.Tensor)
             by_batch = _Rows(t, 0, self.vectors)
             time_first = _Rows(t, 1, self.vectors) if t.dim() >= 2 and t.shape[1] == self.b else None
             rows.append((by_batch, time_first))

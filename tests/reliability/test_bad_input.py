@@ -161,13 +161,22 @@ class _Misused(nn.Module):
         return self.inner(x) @ self.w
 
 
-@pytest.mark.parametrize("layer, match", [
-    (nn.BatchNorm1d(8), r"(?s)BatchNorm1d.*body\.1.*GroupNorm"),
-    (_Misused(), r"(?s)_Misused 'body\.1'"),
-])
-def test_unsupported_layer_is_refused(layer, match):
-    body = nn.Sequential(nn.Linear(4, 8), layer, nn.Linear(8, 2))
-    _refused(Net(body), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0), UnsupportedLayerError, match)
+def test_unsupported_layer_is_refused():
+    body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    _refused(Net(body), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0), UnsupportedLayerError,
+             r"(?s)BatchNorm1d.*body\.1.*GroupNorm")
+
+
+def test_a_parameter_used_as_a_weight_matrix_is_refused_before_the_first_update():
+    """The layout check's forwards run without gradients, where such a use cannot be told from a broadcast; the
+    first clipped forward refuses it (naming the module and the parameter), before anything is updated."""
+    model = Net(nn.Sequential(nn.Linear(4, 8), _Misused(), nn.Linear(8, 2)))
+    before = _params(model)
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)_Misused 'body\.1'"):
+        _trainer(DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0)).fit(model)
+    assert model.steps_run <= 1
+    after = _params(model)
+    assert all(torch.equal(before[k], after[k]) for k in before), "an update was applied before the refusal"
 
 
 # ------------------------------------------------------------------------------------------------ losses
