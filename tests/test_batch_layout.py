@@ -122,13 +122,13 @@ def test_a_shared_input_with_one_example_is_a_shared_value():
 
 
 class _Ranks:
-    """Two ranks as the check sees them: the other rank's flags (failed, pending, check again) are added by
-    ``reduce``."""
+    """Two ranks as the check sees them, this one rank 0: the other rank's flags (failed, pending, check again,
+    and 0 for "rank 0 failed") are added by ``reduce``."""
 
-    world_size = 2
+    world_size, global_rank = 2, 0
 
     def __init__(self, other):
-        self.other = torch.tensor(other, dtype=torch.float32)
+        self.other = torch.tensor([*other, 0.0], dtype=torch.float32)
 
     def reduce(self, t, reduce_op="sum"):
         assert reduce_op == "sum"
