@@ -7,22 +7,8 @@ from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_dpzero.noise as noise_module
 from lightning_dpzero import DPDeepSpeedStrategy, DPFabricStrategy, PrivacyAccountantCallback
 from test_security import NoiseOnly, _params
-
-
-def _recorded(monkeypatch):
-    draws = []
-    original = noise_module.NoiseSource.normal
-
-    def recording(self, shape, device):
-        z = original(self, shape, device)
-        draws.append(z.detach().flatten().clone())
-        return z
-
-    monkeypatch.setattr(noise_module.NoiseSource, "normal", recording)
-    return draws
 
 
 def _no_repeats(earlier, later):
@@ -34,10 +20,10 @@ def _corr(a, b):
 
 
 @pytest.mark.parametrize("seed", [None, 5])
-def test_a_trainer_rolled_back_to_a_checkpoint_draws_noise_no_earlier_fit_drew(tmp_path, monkeypatch, seed):
+def test_a_trainer_rolled_back_to_a_checkpoint_draws_noise_no_earlier_fit_drew(tmp_path, noise_draws, seed):
     """One Trainer: fit 2 steps and save; fit on to step 4; fit again from the step-2 checkpoint. Steps 3-4 of the
     second lineage must not repeat the first's noise (their difference would cancel it exactly)."""
-    draws = _recorded(monkeypatch)
+    draws = noise_draws
     L.seed_everything(0, verbose=False)
     model = NoiseOnly()
     strategy = DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0, seed=seed)
@@ -58,10 +44,10 @@ def test_a_trainer_rolled_back_to_a_checkpoint_draws_noise_no_earlier_fit_drew(t
     assert abs(corr) < 0.5, f"the two lineages' steps 3-4 share noise: correlation {corr:.4f}"
 
 
-def test_fabric_rolled_back_twice_to_one_checkpoint_draws_fresh_noise_each_time(tmp_path, monkeypatch):
+def test_fabric_rolled_back_twice_to_one_checkpoint_draws_fresh_noise_each_time(tmp_path, noise_draws):
     """Fabric: train 2 steps and save; 2 more; load the checkpoint and train 2; load it again and train 2. Each
     load continues the checkpoint's ledger (no refusal) with noise no earlier steps drew."""
-    draws = _recorded(monkeypatch)
+    draws = noise_draws
     fabric = Fabric(accelerator="cpu", devices=1, strategy=DPFabricStrategy(stage=2, noise_multiplier=1.0))
     fabric.launch()
     torch.manual_seed(0)

@@ -236,19 +236,11 @@ class NoiseOnly(Net):
 
 
 @pytest.mark.parametrize("bound", ["max_epochs", "max_steps"])
-def test_a_second_fit_of_the_same_trainer_draws_fresh_noise_and_batches(monkeypatch, bound):
+def test_a_second_fit_of_the_same_trainer_draws_fresh_noise_and_batches(noise_draws, bound):
     """Fit, raise the bound, fit again: the ledger continues (3 -> 6 steps) and the second fit's streams follow the
     ledger's position, so it replays neither the first fit's noise (the difference of two released updates would
     cancel it) nor its Poisson batches."""
-    draws = []
-    original = noise_module.NoiseSource.normal
-
-    def recording(self, shape, device):
-        z = original(self, shape, device)
-        draws.append(z.detach().flatten().clone())
-        return z
-
-    monkeypatch.setattr(noise_module.NoiseSource, "normal", recording)
+    draws = noise_draws
     L.seed_everything(0, verbose=False)
     model = NoiseOnly()
     limits = dict(max_epochs=1, limit_train_batches=3) if bound == "max_epochs" else dict(max_steps=3)
