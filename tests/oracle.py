@@ -42,7 +42,7 @@ def clipped_sum(model, grads, max_grad_norm, clipping="all-layer", clipping_fn="
     if groups is None and clipping == "all-layer":
         groups = [names]
     elif groups is None:
-        groups = layer_groups(names)
+        groups = layer_groups(names, merge=owned_children(model))
     thr = [max_grad_norm / math.sqrt(len(groups))] * len(groups)
     out = {}
     for grp, c in zip(groups, thr):
@@ -76,6 +76,14 @@ def loop_per_example_grads(model, loss_of, B, dtype=torch.float64, alone=True):
         for (n, p), g in zip(named, grads):
             per[n].append(torch.zeros_like(p) if g is None else g)
     return {n: torch.stack(per[n]) if B else torch.zeros(0, *p.shape, dtype=dtype) for n, p in named}
+
+
+def owned_children(model) -> dict[str, str]:
+    """Child modules whose parameters their parent's rule owns, mapped to the parent's path: a
+    ``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling it, so the engine's layer (and
+    layer-wise group) is the whole attention (``per_sample/attention.py``)."""
+    return {f"{n}.out_proj" if n else "out_proj": n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.MultiheadAttention)}
 
 
 def layer_groups(names, merge=None):

@@ -105,14 +105,15 @@ class _Rows:
     """A tensor summarised per row (along dimension ``dim``): exact values for integers, else norms and random
     projections in float64."""
 
-    __slots__ = ("shape", "dim", "exact", "norms", "proj", "tol", "lengths")
+    __slots__ = ("shape", "dim", "exact", "norms", "proj", "tol", "lengths", "special")
 
     def __init__(self, t: torch.Tensor, dim: int, vectors: "_Vectors"):
-        self.shape, self.dim, self.lengths = tuple(t.shape), dim, None
+        self.shape, self.dim, self.lengths, self.special = tuple(t.shape), dim, None, None
         t = t.detach().movedim(dim, 0)
         self.exact = None if t.is_floating_point() else t.clone()
         self.tol = TOL if t.dtype in (torch.float32, torch.float64) else HALF_TOL
         if self.exact is None:
+            t, self.special = _split_special(t)
             rows = t.reshape(t.shape[0], math.prod(t.shape[1:]))  # explicit: B may be 0
             v = vectors.get(rows.shape[1], rows.device)
             step = max(1, 2 ** 22 // max(rows.shape[1], 1))
@@ -155,6 +156,9 @@ class _Rows:
             return other.exact is not None and torch.equal(mine, other.exact)
         if other.exact is not None:
             return False
+        if not _same_special(self.special if self.special is None or index is None
+                             else self.special[index.to(self.special.device)], other.special):
+            return False
         norms, proj = (self.norms, self.proj) if index is None else (self.norms[index], self.proj[index])
         if not norms.numel():
             return True
@@ -162,6 +166,25 @@ class _Rows:
         tol = max(self.tol, other.tol) * (norms + 1e-6 * float(norms.max()) + 1e-30)
         return bool(((other.proj - proj).abs() <= 3 * tol.unsqueeze(1)).all()
                     and ((other.norms - norms).abs() <= tol).all())
+
+
+def _split_special(t: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A float tensor's finite part (non-finite entries zeroed) and, if it has any, the exact per-row pattern of
+    its ±inf and NaN entries (a float attention mask's ``-inf``: norms and projections of such rows are inf or NaN,
+    and no two compare equal)."""
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return t, None
+    code = torch.where(torch.isnan(t), 3, torch.where(t > 0, 1, 2)).to(torch.int8) * (~finite).to(torch.int8)
+    return torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device)), code.reshape(t.shape[0], -1)
+
+
+def _same_special(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Whether two rows' patterns of non-finite entries agree (``None``: all finite; a sub-batch may hold only
+    the rows that have none)."""
+    if a is None or b is None:
+        return (a is None or not bool(a.any())) and (b is None or not bool(b.any()))
+    return torch.equal(a, b)
 
 
 class _Vectors:
