@@ -37,6 +37,7 @@ import torch
 from .._collectives import sum_over_ranks
 from .base import UnsupportedLayerError
 from .parameters import ParameterHook
+from .provenance import by_example, rows_of
 
 #: random projections per row of each recorded tensor
 PROJECTIONS = 2
@@ -187,6 +188,10 @@ class _Recorder:
     def record(self, hook, args: tuple, kwargs: dict) -> None:
         rows = []
         for t in hook.rule.layout_inputs(hook.module, args, kwargs):
+            mapped = rows_of(t)
+            if mapped is not None and not (mapped.blocks and mapped.m == 1):  # token-major: per example
+                t = by_example(t, mapped)
+                hook.engine.tracking.seen = True
             if isinstance(t, list):  # a ragged input: one tensor per example
                 rows.append((_Rows.ragged(t, self.vectors), None))
                 continue
