@@ -28,6 +28,9 @@ FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit", "wav2vec2", "c
 DIRECT = ["clip_vision", "convnext", "nanogpt", "t5"] + (["mamba"] if zoo.has_mamba() else [])
 DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias")
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
+#: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
+#: Swin's window attention
+TOKEN_MAJOR = ["opt", "mixtral", "qwen2_moe", "swin"]
 
 
 def _loss(model, x, y):
@@ -56,7 +59,7 @@ def _engine_vs_oracle(model, x, y, clipping, C=C, mode="book-keeping"):
 
 @pytest.mark.parametrize("clipping,mode", [("all-layer", "book-keeping"), ("all-layer", "two-pass"),
                                            ("layer-wise", "book-keeping")])
-@pytest.mark.parametrize("kind", FULL + (["mamba"] if zoo.has_mamba() else []))
+@pytest.mark.parametrize("kind", FULL + (["mamba"] if zoo.has_mamba() else []) + TOKEN_MAJOR)
 def test_full_fine_tuning_matches_the_oracle(kind, clipping, mode):
     torch.manual_seed(0)
     model = zoo.build(kind).train()

@@ -129,3 +129,27 @@ def mark_outputs(out: Any, rows: Optional[Rows]) -> None:
     for t in tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows.rows:
             mark(t, rows)
+
+
+def token_rows(hook, first: Optional[torch.Tensor], tensors: list, b: Optional[int]) -> Optional[Rows]:
+    """For a generic-rule call (``generic.py``): the map of a token-major call's rows, or ``None`` for a call with
+    the micro-batch first (or none at all, which the caller refuses). Every tensor argument with as many rows must
+    have the same map; gathered rows are allowed (the rule recomputes each example on its rows). Raises
+    ``UnsupportedLayerError``."""
+    if first is None or b is None or first.shape[0] == b:
+        return None
+    rows = rows_of(first)
+    if rows is None:
+        lost = lost_at(first)
+        if lost is not None:
+            raise refusal(hook, first, f"computed from the micro-batch through {lost!r}, an operation after which "
+                                       "the engine cannot tell each row's example")
+        return None
+    if rows.b != b:
+        raise refusal(hook, first, f"rows of {rows.b} examples, but the micro-batch has {b}")
+    for t in tensors:
+        if t.dim() >= 1 and t.shape[0] == rows.rows and not (rows_of(t) is not None and rows_of(t).same(rows)):
+            raise refusal(hook, t, "an argument with as many rows as the first whose rows the engine cannot tie to "
+                                   "the same examples")
+    hook.engine.tracking.seen = True
+    return rows
