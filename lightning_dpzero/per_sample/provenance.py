@@ -253,7 +253,10 @@ class RowTracker(TorchFunctionMode):
             return out
         lost = next((r for _, r in marks if isinstance(r, Lost)), None)
         mapped = [(t, r) for t, r in marks if isinstance(r, Rows)]
-        new = lost if not mapped else self._propagate(name, func, args, kwargs, ins, mapped, outs)
+        try:
+            new = lost if not mapped else self._propagate(name, func, args, kwargs, ins, mapped, outs)
+        except Exception:  # noqa: BLE001 - an argument form the rules do not know: the map is lost, never a crash
+            new = None
         if new is None:
             new = Lost(name)
         for o in outs:
@@ -281,10 +284,13 @@ class RowTracker(TorchFunctionMode):
             return r0 if t0 is ins[0] and dims is not None and int(dims[0]) % t0.dim() == 0 else None
         if name in ("expand", "repeat"):
             return r0 if t0 is ins[0] and all(o.shape[0] == r0.rows for o in outs) else None
-        if name in ("pad", "layer_norm", "rms_norm", "group_norm"):
+        if name == "group_norm":  # per row, over its channel groups
+            return self._same(ins, mapped, outs, r0) if t0 is ins[0] else None
+        if name in ("pad", "layer_norm", "rms_norm"):
             spec = _dim(func, args, kwargs, 1, "pad" if name == "pad" else "normalized_shape", ())
+            spec = (spec,) if isinstance(spec, int) else spec
             covered = len(spec) // 2 if name == "pad" else len(spec)
-            ok = name != "group_norm" and t0 is ins[0] and covered < t0.dim()
+            ok = t0 is ins[0] and covered < t0.dim()
             return r0 if ok and all(r.same(r0) for _, r in mapped) else None
         if name in _MATMUL:
             return self._matmul(name, ins, mapped, outs)
