@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .base import LayerHook, LayerRule, Site, UnsupportedLayerError
 from .maths import param_shape, per_example_sq, weighted_sum
-from .provenance import rows_of
+from .provenance import Rows, rows_of, seed
 from .token_major import mark_outputs, token_rows
 
 
@@ -153,6 +153,7 @@ class GenericHook(LayerHook):
             eng._record_call(self, args, kwargs)
             out = self.module_forward(*args, **kwargs)
             first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+            seed(first, eng.tracking.examples())
             mark_outputs(out, rows_of(first))
             return out
         leaves, spec = tree_flatten((args, kwargs))
@@ -174,6 +175,7 @@ class GenericHook(LayerHook):
         call = _Call(self, b, leaves, spec)
         eng._register_site(self)
         outs = GenericFunction.apply(call, len(tensors), *tensors, *self.params_)
+        mark_outputs(outs, Rows(b))  # batch first, as its input (token_major.py)
         return call.rebuild(outs if isinstance(outs, tuple) else (outs,))
 
     def verified_for(self, call: _Call) -> bool:

@@ -324,8 +324,10 @@ class RowTracker(TorchFunctionMode):
             return None
         ids = {id(t) for t, _ in mapped}
         top = max(o.dim() for o in outs)
+        batch_first = r0.blocks and r0.m == 1  # an unmapped operand with the batch first is per example too (a mask)
         for t in ins:
-            if id(t) not in ids and t.dim() >= top and t.dim() >= 1 and t.shape[0] != 1:
+            if id(t) not in ids and t.dim() >= top and t.dim() >= 1 and t.shape[0] != 1 and not (
+                    batch_first and t.shape[0] == r0.rows):
                 return None  # an unmapped operand with rows of its own: whose are they?
         return r0
 
