@@ -170,6 +170,18 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+def _any_marked(args, kwargs) -> bool:
+    """Whether an argument (or a tensor in a list or tuple argument) carries a mark: the per-op fast path."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if _ATTR in a.__dict__:
+                return True
+        elif isinstance(a, (list, tuple)):
+            if any(isinstance(t, torch.Tensor) and _ATTR in t.__dict__ for t in a):
+                return True
+    return False
+
+
 def _dim(func, args, kwargs, pos: int, key: str, default) -> Any:
     return kwargs[key] if key in kwargs else args[pos] if len(args) > pos else default
 
@@ -234,6 +246,8 @@ class RowTracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not _any_marked(args, kwargs):
+            return out
         name = _name(func)
         if name in _IGNORED:
             return out
