@@ -63,6 +63,21 @@ def test_gather_by_an_index_maps_rows_to_their_examples():
     assert len(by_example(got, rows_of(got))[1]) == 3  # example 1: rows 5, 4 and 4
 
 
+def test_a_value_expanded_over_the_rows_keeps_the_map():
+    """Swin's shifted-window mask: (windows, N, N) expanded over the batch and flattened with it, added to the
+    (example, window) rows' scores: it has no rows of its own, so the scores keep their map."""
+    scores = _batch(B, 4, 2, 2)
+    mask = torch.randn(4, 2, 2)
+    with RowTracker():
+        s = scores.reshape(-1, 2, 2)
+        m = mask.unsqueeze(0).expand(B, -1, -1, -1).reshape(-1, 2, 2)
+        out = (s + m).softmax(-1)
+        unknown = s + torch.randn(B * 4, 2, 2)  # rows of its own, from nowhere the tracker saw
+    assert rows_of(out).same(rows_of(s)) and rows_of(s).m == 4
+    assert rows_of(m) is None and lost_at(m) is None
+    assert lost_at(unknown) == "add"
+
+
 def test_an_op_that_mixes_rows_loses_the_map():
     x = _batch(B, T, D)
     with RowTracker():

@@ -62,13 +62,14 @@ def _moe(family: str):
 
 
 def _swin():
-    """Swin: window attention on (B·windows, window², C) rows from view → permute → view. Its relative position
-    bias table (a module with no input whose (1, heads, N, N) output the attention broadcasts over the windows)
-    is frozen: no rule clips it yet."""
+    """Swin: window attention on (B·windows, window², C) rows from view → permute → view, every second block on
+    shifted windows (torch.roll, and the window mask expanded over the batch). Its relative position bias table (a
+    module with no input whose (1, heads, N, N) output the attention broadcasts over the windows) is frozen: no
+    rule clips it yet."""
     import transformers as tf
 
     model = tf.SwinForImageClassification(tf.SwinConfig(
-        image_size=8, patch_size=2, num_channels=1, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2,
+        image_size=8, patch_size=1, num_channels=1, embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=2,
         num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
     for n, p in model.named_parameters():
         p.requires_grad_("relative_position_bias_table" not in n)

@@ -88,6 +88,17 @@ class Lost:
         self.op = op
 
 
+class Broadcast:
+    """The mark of a value with no rows of its own: expanded from a first dimension of 1 (or from fewer
+    dimensions), e.g. Swin's window mask ``mask[None].expand(B, ...).reshape(B·windows, ...)``; combined with mapped
+    rows it broadcasts as a ``(1, ...)`` operand does (whose independence of the examples the layout check tests)."""
+
+    __slots__ = ()
+
+
+_BROADCAST = Broadcast()
+
+
 def rows_of(t: Any) -> Optional[Rows]:
     """The row map of ``t`` (``None``: none, or lost)."""
     r = getattr(t, _ATTR, None) if isinstance(t, torch.Tensor) else None
@@ -247,6 +258,9 @@ class RowTracker(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not _any_marked(args, kwargs):
+            if func is torch.Tensor.expand and isinstance(out, torch.Tensor) and out.dim() >= 1 and (
+                    args[0].dim() < out.dim() or args[0].shape[0] == 1):  # a value with no rows, expanded
+                mark(out, _BROADCAST)
             return out
         name = _name(func)
         if name in _IGNORED:
@@ -267,6 +281,12 @@ class RowTracker(TorchFunctionMode):
             return out
         lost = next((r for _, r in marks if isinstance(r, Lost)), None)
         mapped = [(t, r) for t, r in marks if isinstance(r, Rows)]
+        if not mapped and lost is None:  # broadcast values, and unmarked ones that broadcast: still no rows
+            top = max(t.dim() for t, _ in marks)
+            rowless = all(t.dim() == 0 or t.dim() < top or t.shape[0] == 1 for t in ins if t.__dict__.get(_ATTR) is None)
+            for o in outs:
+                mark(o, _BROADCAST if rowless else None)  # else: rows the tracker knows nothing of
+            return out
         try:
             new = lost if not mapped else self._propagate(name, func, args, kwargs, ins, mapped, outs)
         except Exception:  # noqa: BLE001 - an argument form the rules do not know: the map is lost, never a crash
@@ -336,7 +356,7 @@ class RowTracker(TorchFunctionMode):
             return None
         if any(not r.same(r0) for _, r in mapped):
             return None
-        ids = {id(t) for t, _ in mapped}
+        ids = {id(t) for t, _ in mapped} | {id(t) for t in ins if isinstance(getattr(t, _ATTR, None), Broadcast)}
         top = max(o.dim() for o in outs)
         batch_first = r0.blocks and r0.m == 1  # an unmapped operand with the batch first is per example too (a mask)
         for t in ins:
