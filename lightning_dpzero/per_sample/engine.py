@@ -306,6 +306,8 @@ class PerSampleEngine:
             self.layout_verified = run_layout_check(self, run_forward, batch_size, collectives)
             if self.layout_verified and self.tracking.needed is None:  # row maps only where a layer needs them
                 self.tracking.needed = self.tracking.seen
+                if not self.tracking.needed:
+                    self.tracking.remove()  # no hook left on the forwards
         elif every_batch:
             run_spot_check(self, run_forward, batch_size, collectives, self._checks, f"micro-batch {self._checks}")
         return self.layout_verified
