@@ -150,6 +150,9 @@ def per_example_grads_loop(model, loss_fn, inputs, targets):
     import copy
 
     m = copy.deepcopy(model).double()
+    for mod in m.modules():  # HF's grouped_mm experts have no float64 kernel; "eager" computes the same function
+        if getattr(getattr(mod, "config", None), "_experts_implementation", None) not in (None, "eager"):
+            mod.config._experts_implementation = "eager"
     names = [n for n, p in m.named_parameters() if p.requires_grad]
     params = [p for p in m.parameters() if p.requires_grad]  # tied parameters once, in named_parameters order
     out = {n: [] for n in names}

@@ -32,6 +32,50 @@ def _decoder(family: str):
     return model
 
 
+def _opt():
+    """OPT: its feed-forward block runs on the tokens as rows, hidden_states.reshape(-1, d) (B·T, d)."""
+    import transformers as tf
+
+    return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2, ffn_dim=24,
+                                          num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=D,
+                                          dropout=0.0, attention_dropout=0.0, attn_implementation="eager"))
+
+
+def _moe(family: str):
+    """A mixture of experts (Mixtral, Qwen2-MoE): router and experts get the tokens as rows (B·T, d); the experts
+    are 3-D parameters (E, ·, ·) applied per expert to the tokens routed to it (HF's default grouped_mm)."""
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=24, num_experts_per_tok=2, max_position_embeddings=32, attention_dropout=0.0,
+                  attn_implementation="eager")
+    if family == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=4, **common))
+    else:
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=12,
+                                                         shared_expert_intermediate_size=12, **common))
+    with torch.no_grad():  # HF initialises the norms to ones: make their gradients non-trivial
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _swin():
+    """Swin: window attention on (B·windows, window², C) rows from view → permute → view, every second block on
+    shifted windows (torch.roll, and the window mask expanded over the batch). Its relative position bias table (a
+    module with no input whose (1, heads, N, N) output the attention broadcasts over the windows) is frozen: no
+    rule clips it yet."""
+    import transformers as tf
+
+    model = tf.SwinForImageClassification(tf.SwinConfig(
+        image_size=8, patch_size=1, num_channels=1, embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=2,
+        num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
+    for n, p in model.named_parameters():
+        p.requires_grad_("relative_position_bias_table" not in n)
+    return model
+
+
 def _gpt2():
     import transformers as tf
 
@@ -216,6 +260,11 @@ ZOO = {
     "convnext": (lambda: Classifier(_convnext(), "pixel_values"), "image"),
     "nanogpt": (NanoGPT, "lm"),
     "mamba": (lambda: LM(_mamba()), "lm"),
+    # token-major layers (per_sample/token_major.py): rows (B·m, d) whose examples the engine follows
+    "opt": (lambda: LM(_opt()), "lm"),
+    "mixtral": (lambda: LM(_moe("mixtral")), "lm"),
+    "qwen2_moe": (lambda: LM(_moe("qwen2_moe")), "lm"),
+    "swin": (lambda: Classifier(_swin(), "pixel_values"), "image"),
 }
 
 

@@ -103,6 +103,10 @@ class LayerRule:
     min_input_dim: int = 1
     """The fewest dimensions of the input; fewer is refused at the forward (Embedding: 2, so that a ``(T,)``
     index, whose length could equal the batch size by chance, is not taken for T examples)."""
+    rows_independent: bool = False
+    """The layer computes each row of its input (along every leading dimension) from that row alone, so an input
+    of the examples' tokens as rows, ``(B·m, ...)``, may be handed to it as ``(B, m, ...)`` (``token_major.py``):
+    Linear, LayerNorm, RMSNorm, Embedding. A convolution or attention mixes rows and leaves it ``False``."""
     broadcast_batch: bool = False
     """An input with batch dimension 1 in a larger micro-batch (position ids ``(1, T)``) is expanded to the
     batch, so each example gets its own copy and its own gradient; otherwise it is refused."""

@@ -146,6 +146,7 @@ def _fold_groups(t: torch.Tensor, G: int) -> torch.Tensor:
 class ConvRule(LinearRule):
     """Conv1d/2d/3d; shares the Linear rule's norms and kept per-example gradients, only the rows differ."""
     forward_methods = ("forward", "_conv_forward")
+    rows_independent = False
 
     def forward(self, module, x, weight, bias=None):
         n = len(module.kernel_size)

@@ -19,6 +19,7 @@ from .registry import register_rule
 
 @register_rule(nn.Embedding)
 class EmbeddingRule(LayerRule):
+    rows_independent = True
     param_names = ("weight",)
     broadcast_batch = True  # position ids (1, T) in a larger micro-batch: one copy, one gradient per example
     min_input_dim = 2  # indices (B, T, ...): a (T,) index tensor is refused (its length could equal B by chance)

@@ -43,6 +43,8 @@ from .mixing import run_layout_check, run_spot_check
 from . import sums
 from .maths import InputGrams
 from .paths import InputReaders
+from .provenance import seed
+from .token_major import Tracking, site_input, site_output
 from .two_pass import clip_site, norms_pass
 from .window import WindowBuffer
 
@@ -99,6 +101,7 @@ class PerSampleEngine:
         self.pass_coefficients: dict[int, torch.Tensor] = {}  # two-pass: per group, the first pass's c_i
         self._group_spec, self._group_norms = groups, group_max_grad_norms
         self.hooks: list[LayerHook] = []
+        self.tracking = Tracking(self)  # installed by attach
         self._layout = None  # the layout check's recorder while it runs (layout.py)
         self.layout_verified = False  # every rank passed the layout check with two or more examples
         self._checks = 0  # micro-batches checked (layout check, then spot checks: mixing.py)
@@ -136,6 +139,7 @@ class PerSampleEngine:
             self.detach()
             raise
         self._guards = install_guards(self, self._trainable_named())
+        self.tracking = Tracking(self).install(self.module)  # row maps of token-major layers (token_major.py)
         self.active = True
         if self.clipping != "group-wise" or self._group_spec is not None:
             self.set_groups(self._group_spec, self._group_norms)
@@ -176,6 +180,7 @@ class PerSampleEngine:
                 del h.module.forward
         for handle in self._guards:
             handle.remove()
+        self.tracking.remove()
         self.hooks, self._guards, self.active = [], [], False
         self.window.clear()  # a window cut by an exception: nothing held reaches a later fit
 
@@ -253,12 +258,15 @@ class PerSampleEngine:
         if (shared := on_shared_indices(self, hook, x, extra)) is not None:  # indices with no batch (broadcast.py)
             return shared
         if not self.clipping_now():
+            seed(x, self.tracking.examples())
             self._record_call(hook, (x, *extra[0]), extra[1])
-            return hook.original_forward(x, extra)
+            return site_output(hook.original_forward(x, extra), x, None)
+        given = x
+        x, rows = site_input(self, hook, x, extra)  # token-major rows viewed as (B, m, ...) (token_major.py)
         x = batch_checked_input(hook, x, extra, self.expected_batch_size)
         self._register_site(hook)
         self.input_readers.add(x)
-        return hook.run(x, hook.rule.params(hook.module), extra)
+        return site_output(hook.run(x, hook.rule.params(hook.module), extra), given, rows)
 
     def check_layout(self, run_forward: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int],
                      collectives: Any = None, every_batch: bool = False) -> bool:
@@ -296,6 +304,10 @@ class PerSampleEngine:
         self._checks += 1
         if not self.layout_verified:
             self.layout_verified = run_layout_check(self, run_forward, batch_size, collectives)
+            if self.layout_verified and self.tracking.needed is None:  # row maps only where a layer needs them
+                self.tracking.needed = self.tracking.seen
+                if not self.tracking.needed:
+                    self.tracking.remove()  # no hook left on the forwards
         elif every_batch:
             run_spot_check(self, run_forward, batch_size, collectives, self._checks, f"micro-batch {self._checks}")
         return self.layout_verified

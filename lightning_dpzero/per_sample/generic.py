@@ -45,6 +45,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .base import LayerHook, LayerRule, Site, UnsupportedLayerError
 from .maths import param_shape, per_example_sq, weighted_sum
+from .provenance import Rows, rows_of, seed
+from .token_major import mark_outputs, token_rows
 
 
 class InstantiatedGradsRule(LayerRule):
@@ -87,10 +89,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Call:
     """The structure of one call: argument and output trees, which tensors are split per example."""
 
-    __slots__ = ("hook", "b", "spec", "consts", "slots", "in_dims", "out_spec", "out_consts", "out_slots")
+    __slots__ = ("hook", "b", "spec", "consts", "slots", "in_dims", "out_spec", "out_consts", "out_slots", "rows",
+                 "examples")
 
-    def __init__(self, hook, b, leaves, spec):
+    def __init__(self, hook, b, leaves, spec, rows=None):
         self.hook, self.b, self.spec = hook, b, spec
+        # token-major (token_major.py): b is the number of rows, ``rows`` their map, ``examples`` the micro-batch's
+        self.rows, self.examples = rows, (b if rows is None else rows.b)
         self.slots = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         self.consts = [None if isinstance(v, torch.Tensor) else v for v in leaves]
         self.in_dims = tuple(0 if leaves[k].dim() >= 1 and leaves[k].shape[0] == b else None for k in self.slots)
@@ -137,6 +142,7 @@ class GenericHook(LayerHook):
         self.params_ = [module._parameters[n] for n in names]
         super().__init__(engine, module, name, InstantiatedGradsRule(names, self.params_))
         self.verified = False
+        self.verified_rows = False  # proven on token-major calls too (its own proof: per_example_rows)
         # under ZeRO-3 a module with children is gathered as one leaf, so that the per-example recomputation in
         # backward calls no child module that DeepSpeed hooks (PerSampleEngine.zero3_leaf_types)
         self.zero3_leaf = any(True for _ in module.children())
@@ -145,12 +151,23 @@ class GenericHook(LayerHook):
         eng = self.engine
         if not eng.clipping_now():
             eng._record_call(self, args, kwargs)
-            return self.module_forward(*args, **kwargs)
+            out = self.module_forward(*args, **kwargs)
+            first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+            seed(first, eng.tracking.examples())
+            mark_outputs(out, rows_of(first))
+            return out
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
         first = next((t for t in tensors if t.dim() >= 1), None)
         b = eng.expected_batch_size if eng.expected_batch_size is not None else (
             first.shape[0] if first is not None else None)
+        rows = token_rows(self, first, tensors, b)  # the examples' tokens as rows: their map (token_major.py)
+        if rows is not None:
+            call = _Call(self, rows.rows, leaves, spec, rows)
+            eng._register_site(self)
+            outs = GenericFunction.apply(call, len(tensors), *tensors, *self.params_)
+            mark_outputs(outs, rows)
+            return call.rebuild(outs if isinstance(outs, tuple) else (outs,))
         if first is None or first.shape[0] != b:
             raise self.refusal(f"its first tensor argument has shape {tuple(first.shape) if first is not None else None}"
                                f", but the micro-batch has {b} examples: the batch must be the first dimension of "
@@ -158,7 +175,69 @@ class GenericHook(LayerHook):
         call = _Call(self, b, leaves, spec)
         eng._register_site(self)
         outs = GenericFunction.apply(call, len(tensors), *tensors, *self.params_)
+        mark_outputs(outs, Rows(b))  # batch first, as its input (token_major.py)
         return call.rebuild(outs if isinstance(outs, tuple) else (outs,))
+
+    def verified_for(self, call: _Call) -> bool:
+        return self.verified if call.rows is None else self.verified_rows
+
+    def set_verified(self, call: _Call) -> None:
+        if call.rows is None:
+            self.verified = True
+        else:
+            self.verified_rows = True
+
+    # ---------------------------------------------------------------- token-major calls: one example at a time
+    def _example_rows(self, call: _Call):
+        """Per example i, the indices of its rows (``call.rows``: the map of the split tensors)."""
+        ex = call.rows.examples()
+        return [torch.nonzero(ex == i).flatten() for i in range(call.examples)]
+
+    def _one_example(self, call: _Call, params, tensors, idx):
+        leaves = [t.index_select(0, idx.to(t.device)) if d == 0 else t for t, d in zip(tensors, call.in_dims)]
+        return call.outputs(self.forward_with(params, call, leaves), int(idx.numel()))
+
+    def per_example_rows(self, call: _Call, params, tensors, grads, wanted: list[bool]):
+        """A token-major call's per-example parameter gradients ``(B, *p.shape)``: example i's gradient is the
+        backward of the module run on example i's rows alone (its rows of every split tensor, the others whole),
+        one recomputation per example (a forward with data-dependent control flow, such as an MoE's dispatch,
+        cannot be vmapped); and the input gradients, each example's rows written at their place."""
+        per = [torch.zeros(call.examples, *param_shape(p), dtype=torch.float32, device=p.device) for p in params]
+        gin: list[Optional[torch.Tensor]] = [torch.zeros_like(t) if w else None for t, w in zip(tensors, wanted)]
+        diff = [k for k, w in enumerate(wanted) if w]
+        for i, idx in enumerate(self._example_rows(call)):
+            if idx.numel() == 0:
+                continue
+            with torch.enable_grad():
+                prm = [p.detach().requires_grad_(True) for p in params]
+                ts = [t.detach().requires_grad_(True) if w else t for t, w in zip(tensors, wanted)]
+                outs = self._one_example(call, prm, ts, idx)
+                pairs = [(o, g.index_select(0, idx.to(g.device))) for o, g in zip(outs, grads)
+                         if g is not None and o.requires_grad]
+                if not pairs:
+                    continue
+                got = torch.autograd.grad([o for o, _ in pairs], [*prm, *[ts[k] for k in diff]],
+                                          [g for _, g in pairs], allow_unused=True)
+            for k, gp in enumerate(got[:len(prm)]):
+                if gp is not None:
+                    per[k][i] = gp.float()
+            for k, gt in zip(diff, got[len(prm):]):
+                if gt is not None:
+                    gin[k] += gt
+        return per, gin
+
+    def check_forward_rows(self, call: _Call, tensors, out: list[torch.Tensor]) -> None:
+        """A token-major call's proof: the module on each example's rows alone gives that example's rows of the
+        batched output (a forward that mixes examples, or rows of several examples, fails)."""
+        with torch.no_grad():
+            params = [p.detach() for p in self.params_]
+            for idx in self._example_rows(call):
+                if idx.numel() == 0:
+                    continue
+                for o, r in zip(out, self._one_example(call, params, tensors, idx)):
+                    if not _close(r, o.index_select(0, idx.to(o.device))):
+                        raise self.refusal("its output for one example's rows alone differs from those rows' output "
+                                           "in the batch: the forward mixes examples")
 
     def refusal(self, what: str) -> UnsupportedLayerError:
         names = ", ".join(self.rule.param_names)
@@ -280,9 +359,9 @@ class GenericFunction(torch.autograd.Function):
                                "recomputation in backward would not see")
         # the proof, at the first call with two or more examples (it runs no collective: the module's own forward
         # only, its parameters already gathered, and under ZeRO-3 it is a leaf module: coverage.py)
-        ctx.proving = not hook.verified and call.b >= 2
+        ctx.proving = not hook.verified_for(call) and call.examples >= 2
         if ctx.proving:
-            hook.check_forward(call, tensors, out)
+            (hook.check_forward if call.rows is None else hook.check_forward_rows)(call, tensors, out)
         ctx.call, ctx.n = call, n
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, *params)
@@ -298,14 +377,14 @@ class GenericFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         tensors, params = saved[:n], saved[n:]
         wanted = [bool(ctx.needs_input_grad[2 + k]) and t.is_floating_point() for k, t in enumerate(tensors)]
-        if call.b == 0 or all(g is None for g in grads):
-            per = [torch.zeros(call.b, *param_shape(p), dtype=torch.float32, device=p.device) for p in params]
+        if call.examples == 0 or all(g is None for g in grads):
+            per = [torch.zeros(call.examples, *param_shape(p), dtype=torch.float32, device=p.device) for p in params]
             gin: list[Any] = [torch.zeros_like(t) if w else None for t, w in zip(tensors, wanted)]
         else:
-            per, gin = hook.per_example(call, [p.detach() for p in params], [t.detach() for t in tensors],
-                                        list(grads), wanted)
+            per, gin = (hook.per_example if call.rows is None else hook.per_example_rows)(
+                call, [p.detach() for p in params], [t.detach() for t in tensors], list(grads), wanted)
             if ctx.proving:
                 hook.check_grads(call, params, tensors, grads, per)
-                hook.verified = True
-        site = Site(hook, torch.empty(call.b, 0, device=params[0].device), tuple(g.float() for g in per))
+                hook.set_verified(call)
+        site = Site(hook, torch.empty(call.examples, 0, device=params[0].device), tuple(g.float() for g in per))
         return (None, None, *gin, *hook.engine._on_backward(site, list(params)))

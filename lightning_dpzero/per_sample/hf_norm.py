@@ -50,6 +50,8 @@ def _weight(module, weight):
 class HFRMSNormRule(_AffineNormRule):
     """``out = (c + w) ⊙ x / rms(x)`` over the last dimension, weight only; the forward is the class's own."""
 
+    rows_independent = True
+
     param_names = ("weight",)
 
     def check(self, module, name):

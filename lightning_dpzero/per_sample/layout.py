@@ -37,6 +37,7 @@ import torch
 from .._collectives import sum_over_ranks
 from .base import UnsupportedLayerError
 from .parameters import ParameterHook
+from .provenance import by_example, lost_at, rows_of
 
 #: random projections per row of each recorded tensor
 PROJECTIONS = 2
@@ -206,10 +207,17 @@ class _Recorder:
 
     def __init__(self, b: int, vectors: _Vectors):
         self.b, self.vectors, self.calls, self.loss = b, vectors, [], None
+        self.rows, self.lost = b, {}  # the examples this pass runs; per layer, the op that lost its rows' map
 
     def record(self, hook, args: tuple, kwargs: dict) -> None:
         rows = []
         for t in hook.rule.layout_inputs(hook.module, args, kwargs):
+            if lost_at(t) is not None and t.shape[0] != self.rows:  # token-major rows whose examples were lost
+                self.lost.setdefault(hook, lost_at(t))
+            mapped = rows_of(t)
+            if mapped is not None and not (mapped.blocks and mapped.m == 1):  # token-major: per example
+                t = by_example(t, mapped)
+                hook.engine.tracking.seen = True
             if isinstance(t, list):  # a ragged input: one tensor per example
                 rows.append((_Rows.ragged(t, self.vectors), None))
                 continue
@@ -280,6 +288,8 @@ def _failures(ref: _Recorder, new: _Recorder, s: torch.Tensor, b: int) -> list[t
     for (hook, rows), (_, new_rows) in zip(ref.calls, new.calls):
         for k, (r, n) in enumerate(zip(rows, new_rows)):
             cause = _classify(hook, k, r, n, s, b)
+            if cause == "not batch first" and hook in ref.lost:
+                cause = f"lost {ref.lost[hook]}"
             if cause is not None:
                 out.append((hook, cause))
                 break
@@ -318,7 +328,11 @@ def layer_lines(engine, failures: list[tuple[Any, str]]) -> list[str]:
     for (cls, cause), hooks in groups.items():
         shown = ", ".join(f"'{h.name}'" for h in hooks[:SHOWN])
         more = f" and {len(hooks) - SHOWN} more" if len(hooks) > SHOWN else ""
-        why = _WHY[cause]
+        why = _WHY[cause] if not cause.startswith("lost ") else (
+            f"its input's rows are the examples' tokens, computed from the micro-batch through '{cause[5:]}', an "
+            "operation after which the engine cannot tell each row's example (docs/design.md, Token-major "
+            "layers). Fix: keep its input batch first, (B, ...), or form its rows with reshapes, indexing along "
+            "the rows and operations that keep the rows")
         if cause == "shared":
             params = [names[id(p)] for h in hooks for p in h.rule.params(h.module)
                       if p is not None and p.requires_grad and id(p) in names]

@@ -27,6 +27,8 @@ from .registry import register_rule
 class LinearRule(LayerRule):
     """``nn.Linear``; also the base of the HF Conv1D and Conv rules (same rows, other layouts)."""
 
+    rows_independent = True
+
     def forward(self, module, x, weight, bias=None):
         return F.linear(x, weight, bias)
 

@@ -125,6 +125,8 @@ def _same_dtype(x, g, params) -> bool:
 class LayerNormRule(_AffineNormRule):
     """``nn.LayerNorm`` (elementwise affine weight and bias over ``normalized_shape``)."""
 
+    rows_independent = True
+
     def forward(self, module, x, weight=None, bias=None):
         return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
 
@@ -296,6 +298,8 @@ def _fp32_eager(*tensors) -> bool:
 class RMSNormRule(_AffineNormRule):
     """``nn.RMSNorm`` (weight only): per-example gradient ``Σ_positions x̂ ⊙ g``, x̂ = x / rms(x); in fp32 the input
     gradient is :func:`rms_backward`'s, whose x̂ the per-example gradients reuse."""
+
+    rows_independent = True
 
     param_names = ("weight",)
 

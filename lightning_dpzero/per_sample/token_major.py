@@ -1,0 +1,155 @@
+"""Token-major sites: a layer whose input rows are the examples' tokens, ``(B·m, ...)`` (docs/design.md,
+*Token-major layers*; the row maps: ``provenance.py``).
+
+The engine enters :class:`~.provenance.RowTracker` around each forward it clips or the layout check records
+(forward pre- and post-hooks on every module with children, entered once by the outermost). At a layer call
+whose input's first dimension is not the micro-batch:
+
+* the input has a map of contiguous equal blocks (a reshape of ``(B, m, ...)``) and the layer's rule computes
+  each row from that row alone (:attr:`~.base.LayerRule.rows_independent`: Linear, LayerNorm, RMSNorm,
+  Embedding): the input is viewed as ``(B, m, ...)``, the rule runs unchanged on it (example i's gradient is the
+  sum over its m rows, as for a sequence), and the output is viewed back to ``(B·m, ...)``;
+* a generic-rule module (an MoE router, HF's grouped experts) gets its per-example gradients from one
+  recomputation per example on that example's rows (``generic.py``);
+* anything else (gathered rows at a dedicated rule, a rule that is not row-wise, a lost map) is refused before
+  the first update, naming the layer and the reason.
+
+The layout check records a mapped input per example (``provenance.by_example``): with the batch re-indexed,
+example i's rows must be example s[i]'s, and alone, its rows in the full micro-batch: the map is proven as a
+batch-first layout is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .base import UnsupportedLayerError
+from .provenance import Rows, RowTracker, lost_at, mark, rows_of, seed
+
+
+class Tracking:
+    """The row tracker of one engine and the hooks that enter it around forwards (``install``)."""
+
+    def __init__(self, engine):
+        self.engine, self.mode, self.handles, self.entered = engine, RowTracker(), [], []
+        self.seen = False  # a token-major site was met (the layout check keeps tracking on only then)
+        self.needed: Optional[bool] = None  # None: not yet known (track); False: the check found no such site
+
+    def install(self, module: torch.nn.Module) -> "Tracking":
+        for m in module.modules():
+            if next(m.children(), None) is not None or m is module:
+                self.handles.append(m.register_forward_pre_hook(self._enter))
+                self.handles.append(m.register_forward_hook(self._exit, always_call=True))
+        return self
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        while self.entered:
+            self._exit(None, None, None)
+
+    def examples(self) -> Optional[int]:
+        """The examples of the forward now running (the micro-batch, or the layout check's sub-batch)."""
+        eng = self.engine
+        rec = eng._layout
+        return getattr(rec, "rows", None) if rec is not None else eng.expected_batch_size
+
+    def _active(self) -> bool:
+        eng = self.engine
+        return self.needed is not False and (eng._layout is not None or eng.clipping_now())
+
+    def _enter(self, module, args) -> None:
+        on = not self.entered and self._active()
+        if on:
+            self.mode.__enter__()
+        self.entered.append(on)
+        if on:
+            for t in tree_flatten(args)[0]:
+                seed(t, self.examples())
+
+    def _exit(self, module, args, out) -> None:
+        if self.entered and self.entered.pop():
+            self.mode.__exit__(None, None, None)
+
+
+def refusal(hook, x: torch.Tensor, why: str) -> UnsupportedLayerError:
+    return UnsupportedLayerError(
+        f"{type(hook.module).__name__} '{hook.name}' received rows of shape {tuple(x.shape)} ({why}). Per-example "
+        "clipping of a layer that gets the examples' tokens as rows needs each row's example: "
+        "the engine follows it through reshapes, indexing along the rows and operations that keep the rows "
+        "(docs/design.md, Token-major layers). Fix: keep this layer's input batch first, (B, ...), or compute "
+        "it from the batch with those operations only.")
+
+
+def site_input(engine, hook, x: Any, extra: tuple[tuple, dict]) -> tuple[Any, Optional[Rows]]:
+    """A clipped call's input: ``(x, None)`` as it is, or, for a token-major input of a row-wise rule, ``x``
+    viewed as ``(B, m, ...)`` and its map (see the module docstring). Raises ``UnsupportedLayerError``."""
+    b = engine.expected_batch_size
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or b is None or x.shape[0] == b:
+        seed(x, b)
+        return x, None
+    rows = rows_of(x)
+    if rows is None:
+        lost = lost_at(x)
+        if lost is not None:
+            raise refusal(hook, x, f"computed from the micro-batch through {lost!r}, an operation after which "
+                                   "the engine cannot tell each row's example")
+        return x, None  # not from the batch at all: batch_checked_input refuses it as before
+    engine.tracking.seen = True
+    if rows.b != b:
+        raise refusal(hook, x, f"rows of {rows.b} examples, but the micro-batch has {b}")
+    if not rows.blocks:
+        raise refusal(hook, x, "rows gathered from the examples by an index (an MoE dispatch): only a plain "
+                               "reshape of (B, m, ...) is supported at a layer with its own rule")
+    if not hook.rule.rows_independent or hook.rule.multi_input or extra[0] or extra[1]:
+        raise refusal(hook, x, f"{rows.m} rows per example; its rule ({type(hook.rule).__name__}) does not "
+                               "compute each row alone, so it cannot take them as a (B, m, ...) input")
+    return x.reshape(b, rows.m, *x.shape[1:]), rows
+
+
+def site_output(out: Any, x: Any, rows: Optional[Rows]) -> Any:
+    """A call's output with the rows of its input: viewed back to ``(B·m, ...)`` for a token-major call; its
+    map (a layer's output rows are its input rows) marked for the layers after it."""
+    if rows is not None and isinstance(out, torch.Tensor):
+        out = out.reshape(rows.rows, *out.shape[2:])
+    src = rows_of(x) if rows is None else rows
+    if src is not None and isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == src.rows:
+        mark(out, src)
+    return out
+
+
+def mark_outputs(out: Any, rows: Optional[Rows]) -> None:
+    """Every tensor of ``out`` with ``rows``' rows first gets that map (a generic module's outputs)."""
+    if rows is None:
+        return
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows.rows:
+            mark(t, rows)
+
+
+def token_rows(hook, first: Optional[torch.Tensor], tensors: list, b: Optional[int]) -> Optional[Rows]:
+    """For a generic-rule call (``generic.py``): the map of a token-major call's rows, or ``None`` for a call with
+    the micro-batch first (or none at all, which the caller refuses). Every tensor argument with as many rows must
+    have the same map; gathered rows are allowed (the rule recomputes each example on its rows). Raises
+    ``UnsupportedLayerError``."""
+    if first is None or b is None or first.shape[0] == b:
+        return None
+    rows = rows_of(first)
+    if rows is None:
+        lost = lost_at(first)
+        if lost is not None:
+            raise refusal(hook, first, f"computed from the micro-batch through {lost!r}, an operation after which "
+                                       "the engine cannot tell each row's example")
+        return None
+    if rows.b != b:
+        raise refusal(hook, first, f"rows of {rows.b} examples, but the micro-batch has {b}")
+    for t in tensors:
+        if t.dim() >= 1 and t.shape[0] == rows.rows and not (rows_of(t) is not None and rows_of(t).same(rows)):
+            raise refusal(hook, t, "an argument with as many rows as the first whose rows the engine cannot tie to "
+                                   "the same examples")
+    hook.engine.tracking.seen = True
+    return rows
