@@ -31,6 +31,8 @@ DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 #: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
 #: Swin's window attention
 TOKEN_MAJOR = ["opt", "mixtral", "qwen2_moe", "swin"]
+#: PyTorch's nn.TransformerEncoder / nn.TransformerDecoder (float -inf masks, is_causal, the nested-tensor path)
+TORCH = ["torch_encoder_lm", "torch_padded", "torch_seq2seq"]
 
 
 def _loss(model, x, y):
@@ -59,7 +61,7 @@ def _engine_vs_oracle(model, x, y, clipping, C=C, mode="book-keeping"):
 
 @pytest.mark.parametrize("clipping,mode", [("all-layer", "book-keeping"), ("all-layer", "two-pass"),
                                            ("layer-wise", "book-keeping")])
-@pytest.mark.parametrize("kind", FULL + (["mamba"] if zoo.has_mamba() else []) + TOKEN_MAJOR)
+@pytest.mark.parametrize("kind", FULL + (["mamba"] if zoo.has_mamba() else []) + TOKEN_MAJOR + TORCH)
 def test_full_fine_tuning_matches_the_oracle(kind, clipping, mode):
     torch.manual_seed(0)
     model = zoo.build(kind).train()
@@ -175,11 +177,16 @@ def test_token_major_models_train_on_zero3_with_two_processes_and_match_the_repl
     """OPT's feed-forward on (B·T, d) rows and Mixtral's router and experts (the generic rule, one recomputation
     per example on its rows) on ZeRO-3 with 2 processes, Poisson batches (micro-batches of 0, 1 or more examples,
     so the rows' map changes per micro-batch), σ = 0: equal to the single-process replay."""
-    from harness import expected_params, run_cases
-
     cases = [dict(name=f"zoo_{k}_{clip}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
                   clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
              for k, clip in (("opt", "all-layer"), ("mixtral", "layer-wise"))]
+    _match_the_replay(cases, tmp_path)
+
+
+def _match_the_replay(cases, tmp_path):
+    """Run ``cases`` on 2 processes; each ends at its step count, moved, and equal to its one-process replay."""
+    from harness import expected_params, run_cases
+
     results = run_cases(cases, tmp_path, world_size=2, timeout=900)
     for case in cases:
         res = results[case["name"]]
@@ -190,3 +197,16 @@ def test_token_major_models_train_on_zero3_with_two_processes_and_match_the_repl
         for k, v in want.items():
             torch.testing.assert_close(res["final"][k], v.float(), rtol=0, atol=1e-5,
                                        msg=lambda m: f"{case['name']} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_torch_transformer_modules_train_on_zero3_with_two_processes_and_match_the_replay(tmp_path):
+    """nn.TransformerEncoder under a float -inf causal mask with is_causal=True, on padded ids through the
+    nested-tensor path (taken by forwards without gradients: the layout check's), and nn.TransformerDecoder with a
+    float tgt_mask, on ZeRO-3 with 2 processes and Poisson micro-batches of 0 to several examples (σ = 0): equal to
+    the single-process replay."""
+    cases = [dict(name=f"zoo_{k}_{clip}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
+             for k, clip in (("torch_encoder_lm", "all-layer"), ("torch_padded", "layer-wise"),
+                             ("torch_seq2seq", "layer-wise"))]
+    _match_the_replay(cases, tmp_path)

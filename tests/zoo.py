@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import zoo_torch
+
 V, T, D = 32, 8, 16  # vocabulary, tokens per example, hidden size
 ENC = 5  # T5: the first ENC tokens are the encoder's input, the rest the decoder's
 
@@ -243,7 +245,7 @@ def has_mamba() -> bool:
 
 
 #: kind -> (builder, input kind); inputs: "lm" (B, T) ids with (B, T) targets, "cls" ids with (B,) classes,
-#: "seq2seq" (B, T) ids with (B, T - ENC) targets, "image" (B, 1, 8, 8) pixels with (B,) classes, "audio" (B, 40)
+#: "padded" ids with trailing pads (0) and (B,) classes, "seq2seq" (B, T) ids with (B, T - ENC) targets, "image" (B, 1, 8, 8) pixels with (B,) classes, "audio" (B, 40)
 #: samples with (B,) classes
 ZOO = {
     "gpt2": (lambda: LM(_gpt2()), "lm"),
@@ -265,6 +267,10 @@ ZOO = {
     "mixtral": (lambda: LM(_moe("mixtral")), "lm"),
     "qwen2_moe": (lambda: LM(_moe("qwen2_moe")), "lm"),
     "swin": (lambda: Classifier(_swin(), "pixel_values"), "image"),
+    # PyTorch's own Transformer modules (zoo_torch.py)
+    "torch_encoder_lm": (zoo_torch.EncoderLM, "lm"),
+    "torch_padded": (zoo_torch.PaddedClassifier, "padded"),
+    "torch_seq2seq": (zoo_torch.EncoderDecoder, "seq2seq"),
 }
 
 
@@ -285,6 +291,8 @@ def make_data(kind: str, n: int, seed: int = 42) -> tuple[torch.Tensor, torch.Te
         return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
     if inputs == "audio":
         return torch.randn(n, 40, generator=g), torch.randint(0, 3, (n,), generator=g)
+    if inputs == "padded":
+        return zoo_torch.padded_ids(n, g), torch.randint(0, 3, (n,), generator=g)
     x = torch.randint(1, V, (n, T), generator=g)
     if inputs == "cls":
         return x, torch.randint(0, 3, (n,), generator=g)
