@@ -127,6 +127,7 @@ class _Rows:
         """Rows of unequal lengths (a ragged input: example i's sequence or bag), each summarised alone."""
         self = cls.__new__(cls)
         flat = [r.detach().reshape(-1) for r in rows]
+        self.special = None
         self.shape, self.dim, self.lengths = (len(flat), "ragged"), 0, torch.tensor([r.numel() for r in flat])
         floating = bool(flat) and flat[0].is_floating_point()
         self.exact = None if floating or not flat else [r.clone() for r in flat]

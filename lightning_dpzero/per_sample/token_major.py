@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .base import UnsupportedLayerError
+from .base import LayerRule, UnsupportedLayerError
 from .provenance import Rows, RowTracker, lost_at, mark, rows_of, seed
 
 
@@ -85,11 +85,23 @@ def refusal(hook, x: torch.Tensor, why: str) -> UnsupportedLayerError:
         "it from the batch with those operations only.")
 
 
+def _own_layout(hook, x: torch.Tensor, extra: tuple[tuple, dict], b: int) -> bool:
+    """The rule reads the batch from elsewhere than the first dimension and finds the micro-batch's examples there
+    (an RNN with ``batch_first=False``, an ``EmbeddingBag`` given offsets): no token rows."""
+    if type(hook.rule).batch_size is LayerRule.batch_size:
+        return False
+    try:
+        found = hook.rule.batch_size(hook.module, x, extra)
+    except Exception:  # the layout check names what is wrong with such an input
+        return False
+    return found is not None and found[0] == b
+
+
 def site_input(engine, hook, x: Any, extra: tuple[tuple, dict]) -> tuple[Any, Optional[Rows]]:
     """A clipped call's input: ``(x, None)`` as it is, or, for a token-major input of a row-wise rule, ``x``
     viewed as ``(B, m, ...)`` and its map (see the module docstring). Raises ``UnsupportedLayerError``."""
     b = engine.expected_batch_size
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or b is None or x.shape[0] == b:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or b is None or x.shape[0] == b or _own_layout(hook, x, extra, b):
         seed(x, b)
         return x, None
     rows = rows_of(x)
