@@ -36,7 +36,7 @@ class Site:
     clipped sums of its groups are formed, then dropped (at the latest when the backward pass ends). Two
     calls, two engines or two threads never share one."""
 
-    __slots__ = ("hook", "x", "g", "dtype", "scale", "completes", "path", "kept", "__weakref__")
+    __slots__ = ("hook", "x", "g", "dtype", "scale", "completes", "path", "kept", "units", "__weakref__")
 
     def __init__(self, hook: "LayerHook", x: Any, g: Any):
         self.hook = hook
@@ -58,6 +58,9 @@ class Site:
         self.path: Optional[str] = None
         """The path the rule took for the weight gradient (``"ghost"``, ``"instantiate"``, ``"reuse"``) or
         ``None``; the engine publishes it in ``PerSampleEngine.last_paths``."""
+        self.units = None
+        """Set by the engine for a site clipped by privacy units row by row (``units.py``): its clipped sums take
+        each row's coefficient c_u / n_u; ``None`` otherwise."""
         self.kept: dict[str, Any] = {}
         """What the rule keeps between its methods for this call (per-example tensors its norm formed, for
         the clipped sum; a normalisation its input gradient computed): private to the rule."""

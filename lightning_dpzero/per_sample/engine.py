@@ -46,6 +46,7 @@ from .paths import InputReaders
 from .provenance import seed
 from .token_major import Tracking, site_input, site_output
 from .two_pass import clip_site, norms_pass
+from .units import Units, per_unit, prepare_site
 from .window import WindowBuffer
 
 GroupSpec = Sequence[Union[str, nn.Parameter]]
@@ -112,6 +113,7 @@ class PerSampleEngine:
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
         self.stand_in = False  # the forward runs on a stand-in for an empty micro-batch (start_micro_batch)
+        self.units: Optional[Units] = None  # the micro-batch's privacy units, None: each row its own (units.py)
         self.grad_scale = 1.0  # observed grad × grad_scale = gradient of the per-example loss (× B for "mean")
         self.emit_scale = 1.0  # multiplies what is written to p.grad (e.g. a loss scale DeepSpeed divides out)
         self.window = WindowBuffer()  # clipped sums held until an accumulation window's boundary (window.py)
@@ -190,25 +192,41 @@ class PerSampleEngine:
 
     # ---------------------------------------------------------------- per micro-batch
     @contextlib.contextmanager
-    def micro_batch(self, batch_size: int, grad_scale: float = 1.0, emit_scale: float = 1.0) -> Iterator[None]:
-        """Declare the micro-batch: ``batch_size`` examples; see :meth:`set_loss_factors`."""
-        self.start_micro_batch(batch_size)
+    def micro_batch(self, batch_size: int, grad_scale: float = 1.0, emit_scale: float = 1.0,
+                    units: Optional[torch.Tensor] = None) -> Iterator[None]:
+        """Declare the micro-batch: ``batch_size`` examples, grouped into privacy ``units`` if given; see
+        :meth:`start_micro_batch` and :meth:`set_loss_factors`."""
+        self.start_micro_batch(batch_size, units=units)
         self.set_loss_factors(grad_scale, emit_scale)
         try:
             yield
         finally:
             self.finalize()
-            self.expected_batch_size, self.stand_in = None, False
+            self.expected_batch_size, self.stand_in, self.units = None, False, None
 
-    def start_micro_batch(self, batch_size: Optional[int], stand_in_rows: int = 0) -> None:
+    def start_micro_batch(self, batch_size: Optional[int], stand_in_rows: int = 0,
+                          units: Optional[torch.Tensor] = None) -> None:
         """A micro-batch of ``batch_size`` examples (``None``: read each layer's first input dimension) starts
         its forward: sites of an earlier forward that never ran backward are forgotten. ``stand_in_rows`` > 0:
         the micro-batch is empty and its forward runs on a stand-in of that many rows (a model that cannot run
         zero rows still runs every collective); the stand-in holds no example of the step, so every site hands
-        each parameter the clipped sum of no example, zeros, whatever the stand-in's values."""
+        each parameter the clipped sum of no example, zeros, whatever the stand-in's values.
+
+        ``units``: LongTensor ``(B,)``, each row's privacy unit in ``[0, U)`` (user-level DP: a user's rows), or
+        ``None`` (each row its own unit). With units, the backward writes Σ_u clip(g_u), g_u the mean of unit u's
+        rows' per-example gradients, and :attr:`last_norms` holds the U units' norms (``units.py``).
+
+        Raises:
+            ValueError: ``units`` is not a ``(B,)`` integer tensor numbering the units 0 to U-1."""
         check_none_unfrozen(self)
         self.expected_batch_size = stand_in_rows or batch_size
         self.stand_in = stand_in_rows > 0
+        self.units = None
+        if units is not None and not self.stand_in:
+            self.units = Units(units)
+            if batch_size is not None and self.units.rows != batch_size:
+                raise ValueError(f"units gives {self.units.rows} rows their unit, but the micro-batch has {batch_size} "
+                                 "examples. Fix: one unit id per example of the micro-batch.")
         self.new_forward()
 
     def set_loss_factors(self, grad_scale: float, emit_scale: float) -> None:
@@ -342,10 +360,11 @@ class PerSampleEngine:
             zeros = {i: torch.zeros_like(p) for i, p in zip(hook.param_ids, params) if i is not None}
             return [None] * len(params) if self.phase == "norms" else self._returned(hook.param_ids, params, zeros)
         scale = site.scale = self.grad_scale * (site.x.shape[0] if self.loss_reduction == "mean" else 1)
+        by_rows = self.units is not None and prepare_site(self.units, site)  # regrouped unit-first, or by rows
         if self.phase == "clip":
             return self._returned(hook.param_ids, params, clip_site(self, site))
         ids = hook.param_ids
-        shared = [i is not None and self._param_sites.get(i, 0) > 1 for i in ids]
+        shared = [i is not None and (by_rows or self._param_sites.get(i, 0) > 1) for i in ids]
         plain = [i is not None and not s for i, s in zip(ids, shared)]
         if any(plain):
             # the clipped sum follows at this site: the rule may reuse what its norm instantiated
@@ -355,7 +374,7 @@ class PerSampleEngine:
                     f = self._unit(self.group_of[i], scale)  # listed: one stack and sum per group (_complete)
                     self._group_sq.setdefault(self.group_of[i], []).append(sq if f == 1.0 else sq * (f * f))
         if any(shared):
-            for i, pe in zip(ids, hook.rule.per_example(site, shared)):
+            for i, pe in zip(ids, per_unit(site, shared) if by_rows else hook.rule.per_example(site, shared)):
                 if pe is not None:
                     f = self._unit(self.group_of[i], scale)
                     self._add(self._shared_sum, i, pe if f == 1.0 else pe * f)

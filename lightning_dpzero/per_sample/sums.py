@@ -28,6 +28,8 @@ def site_clipped(engine, site: Site, ids: set[int], coef: torch.Tensor, by_id: O
     may add a sum into ``p.grad`` in place (one addmm for a Linear, no temporary of the weight's size), and that
     parameter is left out of the result. ``factor``: a constant the coefficients still need (``clip_coefficients_sq``
     factored), applied by the rule's product where it can (``scales_sums``), else here."""
+    if site.units is not None:  # privacy units, summed by rows: c_u / n_u for each row of unit u (units.py)
+        coef = site.units.coefficients_of_rows(coef)
     own = site.scale * engine.emit_scale
     hook, alpha = site.hook, factor if own == unit else factor * (own / unit)
     rule, mask = hook.rule, [i in ids for i in hook.param_ids]
