@@ -48,7 +48,8 @@ class DPSettings:
     def init_dp_settings(self, *, noise_multiplier: Optional[float], max_grad_norm: float, clipping: str,
                          clipping_fn: str, gamma: float, clipping_mode: str, clipping_groups, group_max_grad_norms,
                          poisson_sampling: bool, secure_mode: bool, seed: Optional[int], loss_reduction: str,
-                         layout_check: Any, max_micro_batch_size: Optional[int] = None) -> None:
+                         layout_check: Any, max_micro_batch_size: Optional[int] = None, privacy_unit: str = "example",
+                         max_examples_per_user: Optional[int] = None) -> None:
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma, clipping_mode)
         self.clipping_mode = clipping_mode
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
@@ -56,7 +57,8 @@ class DPSettings:
         secure_mode, poisson_sampling = check_flag("secure_mode", secure_mode), check_flag("poisson_sampling",
                                                                                             poisson_sampling)
         self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
-                                     poisson_sampling=poisson_sampling, max_micro_batch_size=max_micro_batch_size)
+                                     poisson_sampling=poisson_sampling, max_micro_batch_size=max_micro_batch_size,
+                                     privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user)
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
         validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, get_args
 Clipping = Literal["layer-wise", "all-layer", "group-wise"]
 ClippingFn = Literal["abadi", "automatic"]
 ClippingMode = Literal["book-keeping", "two-pass"]
+PrivacyUnit = Literal["example", "user"]
 LossReduction = Literal["mean", "sum"]
 LayoutCheck = Literal["every-batch", "first-batch", "off"]
 Accountant = Literal["pld", "rdp"]

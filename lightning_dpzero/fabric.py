@@ -37,7 +37,7 @@ from .accounting.background import check_accounting_worker
 from ._reduction import deferred_writes_reduced
 from ._strategy_names import register_names
 from ._options import (Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction,
-                       check_loop_bounds, check_option)
+                       PrivacyUnit, check_loop_bounds, check_option)
 from .checkpoints import CheckpointProtocol
 from .checkpoints.format import LEDGER_KEY
 from .per_sample.layout import reindex_batch
@@ -55,7 +55,7 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     the DP settings of :class:`~lightning_dpzero.DPDeepSpeedStrategy` (``noise_multiplier``, ``max_grad_norm``,
     ``clipping``, ``clipping_fn``, ``gamma``, ``clipping_mode``, ``clipping_groups`` as name patterns, ``group_max_grad_norms``,
     ``poisson_sampling``, ``secure_mode``, ``seed``, ``loss_reduction``, ``layout_check``,
-    ``max_micro_batch_size``) and, as Fabric has no
+    ``max_micro_batch_size``, ``privacy_unit``, ``max_examples_per_user``) and, as Fabric has no
     Trainer or accountant callback:
 
     Args:
@@ -96,7 +96,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: LossReduction = "mean",
                  layout_check: Union[bool, LayoutCheck] = "every-batch",
-                 max_micro_batch_size: Optional[int] = None,
+                 max_micro_batch_size: Optional[int] = None, privacy_unit: PrivacyUnit = "example",
+                 max_examples_per_user: Optional[int] = None,
                  target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
                  max_steps: Optional[int] = None, max_epochs: Optional[int] = None,
                  clipping_mode: ClippingMode = "book-keeping", accounting_worker: AccountingWorker = "process",
@@ -110,7 +111,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                               clipping_groups=clipping_groups,
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
-                              layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
+                              layout_check=layout_check, max_micro_batch_size=max_micro_batch_size,
+                              privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._loader = None
         self._other_loaders = 0  # loaders set up after the training loader
@@ -286,7 +288,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                     b, every_batch=self.spot_checks)
             finally:
                 self._in_layout_check = False
-        self.per_sample.start_micro_batch(steps.batch_size, steps.stand_in_rows)
+        self.per_sample.start_micro_batch(steps.batch_size, steps.stand_in_rows,
+                                          units=self.mechanism.units_of(steps.batch_size))
         return None
 
     @override

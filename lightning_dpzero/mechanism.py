@@ -42,7 +42,8 @@ from .accounting.truncation import check_max_micro_batch_size
 from .noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
 from .privacy_plan import AccountingSettings, PrivacyPlan
-from .shards import private_training_loader
+from .shards import describe_training_data, private_training_loader
+from .user_sampling import check_privacy_unit, unit_text, user_level_loader
 
 
 class NonFiniteLossError(RuntimeError):
@@ -115,7 +116,10 @@ class DPMechanism:
 
     def __init__(self, noise_multiplier: Optional[float] = None, max_grad_norm: float = 1.0, *,
                  seed: Optional[int] = None, secure_mode: bool = False, poisson_sampling: bool = True,
-                 max_micro_batch_size: Optional[int] = None) -> None:
+                 max_micro_batch_size: Optional[int] = None, privacy_unit: str = "example",
+                 max_examples_per_user: Optional[int] = None) -> None:
+        self.privacy_unit, self.max_examples_per_user = check_privacy_unit(privacy_unit, max_examples_per_user)
+        self._user_sampler = None  # privacy_unit="user": the training loader's sampler, which knows each row's user
         if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier (σ) must be >= 0 and finite, got {noise_multiplier!r}.")
         if noise_multiplier and math.isinf(max_grad_norm):
@@ -205,9 +209,15 @@ class DPMechanism:
                        ) -> DataLoader:
         """The training loader over the same dataset with the distributed Poisson (or shuffled) sampler at
         ``q = B·W·K/N`` (:func:`lightning_dpzero.shards.private_training_loader`, which lists what it raises)."""
-        return private_training_loader(dataloader, self.collectives, accumulate_grad_batches, pre_sharded=pre_sharded,
-                                       poisson=self.poisson_sampling, seed=self.seed, secure_mode=self.secure_mode,
-                                       max_micro_batch_size=self.max_micro_batch_size)
+        options = dict(pre_sharded=pre_sharded, poisson=self.poisson_sampling, seed=self.seed,
+                       secure_mode=self.secure_mode, max_micro_batch_size=self.max_micro_batch_size)
+        if self.privacy_unit == "user":  # Poisson sampling over users (user_sampling.py)
+            data = describe_training_data(dataloader, self.collectives.world_size, pre_sharded)
+            loader = user_level_loader(dataloader, self.collectives, accumulate_grad_batches, **options,
+                                       max_examples_per_user=self.max_examples_per_user, batch_sizes=data.batch_sizes)
+            self._user_sampler = loader.batch_sampler
+            return loader
+        return private_training_loader(dataloader, self.collectives, accumulate_grad_batches, **options)
 
     def fix_plan(self, loader: DataLoader, *, accumulate_grad_batches: int, micro_batches_per_epoch: int,
                  max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
@@ -226,6 +236,11 @@ class DPMechanism:
         self.plan = plan
         restored = self._restored
         if restored is not None:
+            if restored.privacy_unit != plan.privacy_unit:
+                raise ValueError(
+                    f"The checkpoint's privacy ledger is for privacy unit {unit_text(restored.privacy_unit)}; this "
+                    f"run's is {unit_text(plan.privacy_unit)}. Resume with the strategy's privacy_unit and "
+                    "max_examples_per_user as the run was started with (its ε is in those units).")
             if restored.dataset_size != plan.dataset_size or restored.delta != plan.delta:
                 raise ValueError(
                     f"The checkpoint's privacy ledger is for N={restored.dataset_size}, δ={restored.delta}; this "
@@ -235,7 +250,8 @@ class DPMechanism:
             # one run id on every rank, so every rank's copy of the ledger is the same document
             run_id = self.collectives.broadcast(secrets.token_hex(16))
             self.ledger = PrivacyLedger(delta=plan.delta, dataset_size=plan.dataset_size,
-                                        accountant=plan.accountant, run_id=run_id, shard_sizes=plan.shard_sizes)
+                                        accountant=plan.accountant, run_id=run_id, shard_sizes=plan.shard_sizes,
+                                        privacy_unit=plan.privacy_unit)
 
     # ------------------------------------------------------------------------------------------ resume
     def restore_ledger(self, ledger: PrivacyLedger) -> None:
@@ -290,7 +306,7 @@ class DPMechanism:
         are dropped for it, so no epoch mean turns NaN, and the loss handed to backward is 0. ``loss_in_backward``:
         ``run()`` runs its own backward (manual optimization), whose loss the driver hands to
         :meth:`micro_batch_loss` before it; ``run()``'s output is returned as it is."""
-        self.engine.start_micro_batch(batch_size, stand_in_rows)
+        self.engine.start_micro_batch(batch_size, stand_in_rows, units=self.units_of(batch_size))
         if batch_size != 0:
             return run() if loss_in_backward else self.check_finite_loss(run(), step, epoch)
         with logging_suppressed(module):
@@ -298,6 +314,22 @@ class DPMechanism:
         if loss_in_backward:
             return without_rows(out) if stand_in_rows else out
         return self.check_finite_loss(zero_loss(without_rows(out) if stand_in_rows else out), step, epoch)
+
+    def units_of(self, batch_size: Optional[int]) -> Optional[torch.Tensor]:
+        """With ``privacy_unit="user"``: the user of each row of the micro-batch about to run (its sampler's, in the
+        order drawn), ``(B,)`` for ``PerSampleEngine.start_micro_batch(units=...)``; ``None`` otherwise or for an
+        empty one.
+
+        Raises:
+            RuntimeError: the micro-batch is not the size the sampler drew (a batch it did not draw)."""
+        if self._user_sampler is None:
+            return None
+        units = self._user_sampler.pop_units()
+        if batch_size is not None and len(units) != batch_size:
+            raise RuntimeError(f"privacy_unit='user': the micro-batch has {batch_size} rows but the user-level "
+                               f"sampler drew {len(units)} for it, so its rows' users are unknown. Train on the "
+                               "loader the strategy builds, and keep each batch's rows (no filtering in collate).")
+        return torch.from_numpy(units) if len(units) else None
 
     def micro_batch_loss(self, loss: Any, batch_size: Optional[int], *, step: Optional[int] = None) -> Any:
         """What :meth:`training_step` does after ``run()``, for a driver whose user computes the loss outside a

@@ -7,6 +7,8 @@ plain numbers, so any driver of the mechanism (the Lightning strategy, a Fabric 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import warnings
 from dataclasses import dataclass
@@ -98,6 +100,8 @@ class PrivacyPlan:
     shard_sizes: Optional[tuple[int, ...]] = None
     micro_batch_bound: Optional[MicroBatchBound] = None
     truncation_delta: Optional[float] = None
+    privacy_unit: Optional[dict] = None
+    """User-level DP: ``{"unit": "user", "max_examples_per_user": k}``, N and q then count users; None: examples."""
 
     @property
     def truncation_probability(self) -> float:
@@ -114,12 +118,14 @@ class PrivacyPlan:
         a ``max_micro_batch_size`` binds Poisson sampling only (fixed-size batches are never cut)."""
         b = max_micro_batch_size if sampler.sampler_kind == "poisson" else None
         bound = None if b is None else MicroBatchBound(b, accumulate_grad_batches, sampler.rank_sizes)
-        return cls.build(
+        plan = cls.build(
             dataset_size=sampler.num_samples, sample_rate=sampler.sample_rate, sampler_kind=sampler.sampler_kind,
             accumulate_grad_batches=accumulate_grad_batches, micro_batches_per_epoch=micro_batches_per_epoch,
             max_steps=max_steps, max_epochs=max_epochs, noise_multiplier=noise_multiplier,
             target_epsilon=settings.target_epsilon, delta=settings.delta, accountant=settings.accountant,
             shard_sizes=sampler.shard_sizes, micro_batch_bound=bound)
+        unit = getattr(sampler, "privacy_unit", None)  # user_sampling.UserPoissonBatchSampler's
+        return plan if unit is None else dataclasses.replace(plan, privacy_unit=dict(unit))
 
     @classmethod
     def build(cls, *, dataset_size: int, sample_rate: float, sampler_kind: Sampler, accumulate_grad_batches: int,

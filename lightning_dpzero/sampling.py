@@ -390,7 +390,8 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
                        poisson: bool = True, steps_per_epoch: int | None = None,
                        shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None,
-                       batch_sizes: Sequence[int] | None = None) -> DataLoader:
+                       batch_sizes: Sequence[int] | None = None,
+                       batch_sampler: _ShardedBatchSampler | None = None) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
     `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
@@ -403,10 +404,12 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor, persistent_workers, pin_memory_device, in_order.
     The user's sampler, shuffle, batch_size and drop_last are replaced. The result's `batch_sampler` carries
-    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger.
+    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger. `batch_sampler`: use this one instead.
     """
     n = dataset_size(dataloader) if shard_sizes is None else sum(shard_sizes)
-    if poisson:
+    if batch_sampler is not None:  # built by the caller (user-level sampling: user_sampling.py)
+        pass
+    elif poisson:
         batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
             n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode,
             shard_sizes, max_micro_batch_size)

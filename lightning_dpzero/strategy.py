@@ -28,7 +28,7 @@ from . import _known_warnings, _lightning_loop as _loop, _refusals
 from ._dp_settings import DPSettings, OfMechanism
 from ._manual_loop import ManualSteps, one_optimizer
 from ._launch import DeepSpeedLaunchMixin
-from ._options import Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction
+from ._options import Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction, PrivacyUnit
 from ._strategy_names import register_names
 from ._reduction import deferred_writes_reduced
 from .checkpoints import CheckpointProtocol
@@ -63,11 +63,11 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         secure_mode: noise and sampling from OS entropy; nothing can reproduce them.
         seed: seed of noise and sampling when not in secure mode; ``None`` draws one from OS entropy.
         loss_reduction: ``"mean"`` (``training_step`` returns the mean of per-example losses) or ``"sum"``.
-        max_micro_batch_size: b, the most examples one micro-batch may hold on a device (None: unbounded). A
-            Poisson draw of more than K·b examples on a rank is cut to a uniformly random K·b of them; the plan and
-            the ledger charge the probability of that in δ, and a b so small that it would take more than half of
-            δ is refused before training, naming the smallest b that fits (docs/privacy.md, *Bounded
-            micro-batches*).
+        max_micro_batch_size: b, the most examples one micro-batch may hold on a device (None: unbounded); larger
+            Poisson draws are cut, at a cost in δ the ledger charges (docs/privacy.md, *Bounded micro-batches*).
+        privacy_unit: ``"example"`` (default) or ``"user"``: user-level DP over the dataset's ``user_ids``, each
+            sampled user contributing ``max_examples_per_user`` (k) rows; ε is per user
+            (docs/how-to/user-level-dp.md).
         layout_check: ``"every-batch"`` (default): prove that layer inputs and loss are per example at the first
             micro-batch, then spot-check each later one (docs/reliability.md). ``"first-batch"``, ``"off"``.
 
@@ -100,6 +100,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  poisson_sampling: bool = True, secure_mode: bool = False, seed: Optional[int] = None,
                  loss_reduction: LossReduction = "mean", layout_check: Union[bool, LayoutCheck] = "every-batch",
                  max_micro_batch_size: Optional[int] = None, clipping_mode: ClippingMode = "book-keeping",
+                 privacy_unit: PrivacyUnit = "example", max_examples_per_user: Optional[int] = None,
                  **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
@@ -107,7 +108,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                               clipping_groups=clipping_groups,
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
-                              layout_check=layout_check, max_micro_batch_size=max_micro_batch_size)
+                              layout_check=layout_check, max_micro_batch_size=max_micro_batch_size,
+                              privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user)
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._private_loader: Any = None  # the training loader process_dataloader built (an empty batch's stand-in)
@@ -116,13 +118,12 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     # ------------------------------------------------------------------ the mechanism's settings and state
     noise_multiplier = OfMechanism()
     """σ: the plan's once it is fixed (calibrated from a target ε, or as given), before that as given."""
-    max_grad_norm = OfMechanism()
-    """C."""
-    seed = OfMechanism()
-    """Seed of the noise and sampling streams (drawn at setup if not given; renewed on resume)."""
+    max_grad_norm = OfMechanism()  #: C
+    seed = OfMechanism()  #: seed of the noise and sampling streams (drawn at setup if not given; renewed on resume)
     secure_mode = OfMechanism()
     poisson_sampling = OfMechanism()
     max_micro_batch_size = OfMechanism()
+    privacy_unit = OfMechanism()
     plan = OfMechanism()
     """The run's :class:`PrivacyPlan` (q, σ, δ, N, B_exp, planned steps), fixed with the training loader."""
     ledger = OfMechanism()

@@ -136,6 +136,8 @@ class PrivacyLedger:
         shard_sizes: pre-sharded data: the length of each rank's shard, in rank order, summing to
             ``dataset_size`` (hashed with the metadata); ``None`` (default): one dataset, sharded by the sampler.
             A ledger without it (older ones included) hashes exactly as before.
+        privacy_unit: user-level DP, ``{"unit": "user", "max_examples_per_user": k}`` (hashed with the metadata;
+            ``dataset_size`` then counts users and ε is per user); ``None`` (default): example-level.
 
     Attributes ``entries`` (list of :class:`LedgerEntry`), ``delta``, ``dataset_size``, ``shard_sizes``,
     ``accountant``, ``run_id`` and ``versions`` (installed versions of lightning_dpzero, torch,
@@ -153,7 +155,8 @@ class PrivacyLedger:
     """
 
     def __init__(self, delta: float, dataset_size: int, accountant: str = "pld",
-                 run_id: str | None = None, shard_sizes: list[int] | tuple[int, ...] | None = None):
+                 run_id: str | None = None, shard_sizes: list[int] | tuple[int, ...] | None = None,
+                 privacy_unit: dict | None = None):
         self.delta = _check_delta(delta)
         if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
             raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}.")
@@ -164,6 +167,10 @@ class PrivacyLedger:
                 raise ValueError(f"shard_sizes must be sizes >= 1 summing to dataset_size={self.dataset_size}, "
                                  f"got {shard_sizes!r}.")
         self.shard_sizes = shard_sizes
+        # user-level DP: {"unit": "user", "max_examples_per_user": k}; dataset_size then counts users (hashed)
+        self.privacy_unit = None if privacy_unit is None else {"unit": str(privacy_unit["unit"]),
+                                                               "max_examples_per_user":
+                                                                   int(privacy_unit["max_examples_per_user"])}
         self.accountant = _check_accountant(accountant)
         self.run_id = uuid.uuid4().hex if run_id is None else str(run_id)
         self.versions = _library_versions()
@@ -176,6 +183,8 @@ class PrivacyLedger:
                 "accountant": self.accountant, "run_id": self.run_id}
         if self.shard_sizes is not None:  # absent otherwise: older ledgers' hashes stay valid
             meta["shard_sizes"] = list(self.shard_sizes)
+        if self.privacy_unit is not None:  # likewise: example-level ledgers hash as before
+            meta["privacy_unit"] = dict(self.privacy_unit)
         return meta
 
     def _genesis(self) -> str:
@@ -280,7 +289,8 @@ class PrivacyLedger:
         try:
             if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"not a version-{FORMAT_VERSION} {FORMAT} document")
-            led = cls(d["delta"], d["dataset_size"], d["accountant"], d["run_id"], d.get("shard_sizes"))
+            led = cls(d["delta"], d["dataset_size"], d["accountant"], d["run_id"], d.get("shard_sizes"),
+                      d.get("privacy_unit"))
             led.versions = dict(d.get("versions", {}))
             for item in d["entries"]:
                 led.entries.append(LedgerEntry(item["sample_rate"], item["noise_multiplier"],
