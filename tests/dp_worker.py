@@ -54,7 +54,10 @@ def train_dataset(case, rank):
     x, y = make_dataset(case["model"], case["n"])
     start, stop = case["shards"][rank] if case.get("shards") else (0, case["n"])
     cls = OwnRandomDataset if case.get("own_rng") else IndexedDataset
-    return cls(x[start:stop], y[start:stop], start)
+    data = cls(x[start:stop], y[start:stop], start)
+    if case.get("users"):  # user-level DP: the row's user
+        data.user_ids = case["users"][start:stop]
+    return data
 
 
 def batch_size_of(case, rank):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from models import LOOP_ORACLE, build_model, make_dataset
-from oracle import clipped_sum, loop_per_example_grads, per_example_grads, per_example_grads_loop
+from oracle import clipped_sum, loop_per_example_grads, per_example_grads, per_example_grads_loop, unit_means
 
 HERE = Path(__file__).parent
 
@@ -142,6 +142,8 @@ def expected_params(case, result):
         else:
             oracle = per_example_grads_loop if case.get("oracle") == "loop" else per_example_grads
             grads = oracle(model, nn.functional.cross_entropy, x[idx], y[idx])
+        if case.get("users"):  # user-level DP: each user's mean gradient is the unit clipped
+            grads = unit_means(grads, [case["users"][i] for i in idx.tolist()])
         groups = None
         if case["clipping"] == "group-wise":
             import fnmatch

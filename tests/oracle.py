@@ -78,6 +78,16 @@ def loop_per_example_grads(model, loss_of, B, dtype=torch.float64, alone=True):
     return {n: torch.stack(per[n]) if B else torch.zeros(0, *p.shape, dtype=dtype) for n, p in named}
 
 
+def unit_means(grads: dict, units) -> dict:
+    """Per-example gradients ``{name: (B, *shape)}`` → each privacy unit's mean ``{name: (U, *shape)}``;
+    ``units``: row i's unit (any hashables, in order of first appearance)."""
+    ids = {u: k for k, u in enumerate(dict.fromkeys(units))}
+    index = torch.tensor([ids[u] for u in units])
+    counts = torch.bincount(index, minlength=len(ids))
+    return {n: torch.zeros(len(ids), *g.shape[1:], dtype=g.dtype).index_add_(0, index, g)
+            / counts.to(g.dtype).view(-1, *[1] * (g.dim() - 1)) for n, g in grads.items()}
+
+
 def owned_children(model) -> dict[str, str]:
     """Child modules whose parameters their parent's rule owns, mapped to the parent's path: a
     ``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling it, so the engine's layer (and

@@ -20,7 +20,7 @@ from lightning_dpzero.accounting import PrivacyLedger
 from lightning_dpzero.mechanism import DPMechanism
 from lightning_dpzero.privacy_plan import PrivacyPlan
 from lightning_dpzero.user_sampling import UserPoissonBatchSampler, user_codes
-from oracle import clipped_sum, per_example_grads_loop
+from oracle import clipped_sum, per_example_grads_loop, unit_means
 
 # 10 users of 1 to 3 rows, the rows of a user not adjacent
 USERS = ["p0", "p1", "p2", "p0", "p3", "p4", "p2", "p5", "p6", "p0", "p7", "p8", "p9", "p2", "p7", "p3"]
@@ -138,9 +138,7 @@ def test_one_step_equals_the_clipped_mean_of_each_sampled_users_rows(k):
     x = torch.stack([data[i][0] for i in rows])
     y = torch.tensor([data[i][1] for i in rows])
     per = per_example_grads_loop(ref_model, F.cross_entropy, x, y)
-    members = [[rows.index(i) for i in v] for v in by_user.values()]
-    means = {n: torch.stack([g[m].mean(0) for m in members]) for n, g in per.items()}
-    summed = clipped_sum(ref_model, means, 0.1, "all-layer")
+    summed = clipped_sum(ref_model, unit_means(per, [USERS[i] for i in rows]), 0.1, "all-layer")
     q = 4 / 10
     for n, p in model.named_parameters():
         want = init[n].double() - summed[n.split(".", 1)[1]] / (q * 10)  # lr 1, σ = 0: (Σ_u clip(g_u)) / (q·U)
@@ -200,3 +198,31 @@ def test_the_user_level_ledger_is_continued_on_resume_and_its_unit_is_hashed():
     forged["privacy_unit"]["max_examples_per_user"] = 1
     with pytest.raises(ValueError, match="hash chain"):
         PrivacyLedger.from_dict(forged)
+
+
+@pytest.mark.slow
+def test_user_level_on_zero3_with_two_processes_matches_the_per_user_replay(tmp_path):
+    """ZeRO-3 and ZeRO-0 on 2 processes, Poisson sampling over 12 users of 1 to 3 rows with k below and above the
+    largest user, accumulation over 2 micro-batches, σ = 0: each step equals the replay of Σ_u clip(mean of u's
+    rows' gradients) / (q·U) over the users the two ranks drew."""
+    from harness import expected_params, run_cases
+
+    users = [f"u{(7 * i) % 12}" for i in range(24)]
+    users = [u if i % 5 else "u0" for i, u in enumerate(users)]  # some users of 1, some of 3 rows
+    cases = [dict(name=f"users_{stage}_{clip}_k{k}", model="token", stage=stage, sigma=0.0, C=0.3, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=2, steps=3, n=24, batch_size=2, lr=0.5,
+                  users=users, strategy_kwargs=dict(privacy_unit="user", max_examples_per_user=k))
+             for stage, clip, k in ((3, "all-layer", 2), (3, "layer-wise", 4), (0, "all-layer", 1))]
+    results = run_cases(cases, tmp_path, world_size=2, timeout=900)
+    for case in cases:
+        res = results[case["name"]]
+        assert res["global_step"] == case["steps"] and res["ledger"]["dataset_size"] == len(set(users))
+        for step in {s for rank in res["seen"] for s, _ in rank}:  # a user's rows on one rank, at most k of them
+            per_rank = [[users[i] for s, idx in rank if s == step for i in idx] for rank in res["seen"]]
+            assert not set(per_rank[0]) & set(per_rank[1]), (case["name"], step)
+            k = case["strategy_kwargs"]["max_examples_per_user"]
+            assert all(rows.count(u) <= k for rows in per_rank for u in rows), (case["name"], step)
+        want = expected_params(case, res)
+        for name, v in want.items():
+            torch.testing.assert_close(res["final"][name], v.float(), rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{case['name']} {name}: {m}")
