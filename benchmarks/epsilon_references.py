@@ -1,4 +1,4 @@
-"""Reference epsilons for tests/test_epsilon_accuracy.py, computed independently of lightning_dpzero.
+"""Reference epsilons for tests/accounting/test_epsilon_accuracy.py, computed independently of lightning_dpzero.
 
 For each setting (q, sigma, steps, delta) of one run of the Poisson-subsampled Gaussian mechanism under
 add-or-remove-one adjacency this records

@@ -251,7 +251,7 @@ def render_section(gpu: dict) -> str:
         "",
         f"`bash benchmarks/gpu.sh` on one {m.get('gpu')} (torch {m.get('torch')}, DeepSpeed {m.get('deepspeed')}, "
         f"Lightning {m.get('lightning')}, Opacus {m.get('opacus')}). It first runs the CUDA tests "
-        "(`tests/test_cuda.py`: ZeRO 0–3 in fp32, bf16-mixed and fp16 against the per-example reference, and the "
+        "(`tests/lightning/test_cuda.py`: ZeRO 0–3 in fp32, bf16-mixed and fp16 against the per-example reference, and the "
         f"noise drawn on the GPU; {tests}), then times the GPT at GPT-2-small width (d {a['d_model']}, "
         f"{a['heads']} heads, {a['layers']} layers, sequence {a['seq']}): Lightning + DeepSpeed on the one GPU "
         f"with micro-batch {a['batch']} in {a['precision']} (and fp16, `16-mixed`, on ZeRO-3), and one process at "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared one-GPU run: the CUDA tests (tests/test_cuda.py: fp32, bf16 and fp16 on ZeRO 0/2/3 against the
+# The prepared one-GPU run: the CUDA tests (tests/lightning/test_cuda.py: fp32, bf16 and fp16 on ZeRO 0/2/3 against the
 # per-example oracle), then the benchmark (benchmarks/gpu.py): step-time cases at GPT-2-small width (d 768), fp16
 # and bf16, the batch-128 naive-loop speed-up, and a host + GPU profile of ZeRO-3 non-DP / layer-wise / all-layer
 # (--profile REGEX); JSON under $OUT (default .), the table printed last. Under
@@ -54,7 +54,7 @@ PY
 if [[ "${1:-}" != "--smoke" && "${1:-}" != "--full" ]]; then
   # first the CUDA code path against the per-example oracle (fp32, bf16-mixed and fp16 on ZeRO 0/2/3, noise drawn
   # on the GPU): a failure is reported and the benchmark still runs. Its log and JUnit report go under $OUT.
-  timeout "${CUDA_TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  timeout "${CUDA_TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/lightning/test_cuda.py \
       --junitxml "${OUT:-.}/cuda_tests.xml" 2>&1 | tee "${OUT:-.}/cuda_tests.log" || true
 fi
 exec "$PY" -m benchmarks.gpu "$@"

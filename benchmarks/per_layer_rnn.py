@@ -29,13 +29,13 @@ class Bags(nn.Module):
         return self.bag(x.reshape(-1), torch.arange(0, x.numel(), x.shape[1], device=x.device))
 
 
-def m_opacus(layer, x, R):
+def m_opacus(layer, x, R, clip_sum):
     """Opacus 1.6 as its users run these layers: ``nn.LSTM``/``nn.GRU`` swapped for ``DPLSTM``/``DPGRU`` (the
-    same weights), per-example gradients from ``GradSampleModule``'s hooks, then clipping and the sum."""
+    same weights), per-example gradients from ``GradSampleModule``'s hooks, then clipping and the sum.
+    ``clip_sum``: per-parameter per-example gradients -> their clipped sum (``per_layer.py``'s, the same
+    clipping as every other method; passed in so that this module does not import ``per_layer.py``)."""
     from opacus.grad_sample import GradSampleModule
     from opacus.layers import DPGRU, DPLSTM
-
-    from benchmarks.per_layer import _clip_sum as clip_sum  # the same clipping as every other method
 
     if isinstance(layer, FirstOutput):
         rnn = layer.rnn

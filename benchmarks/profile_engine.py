@@ -63,9 +63,9 @@ def instrument_strategy() -> None:
     """:func:`instrument` plus the strategy's other per-step work: the noise pre-hook, the ledger charge,
     the accountant callback's per-step ε update, and the loss probe."""
     instrument()
-    from lightning_dpzero import callback as cb_mod
+    from lightning_dpzero.lightning import callback as cb_mod
     from lightning_dpzero import mechanism as mech_mod
-    from lightning_dpzero import strategy as strat_mod
+    from lightning_dpzero.lightning import strategy as strat_mod
 
     original = mech_mod.make_noise_pre_hook
 

@@ -12,24 +12,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._lazy import lazy_exports
-from ._registration import register_strategies_with_lightning
+from .util.lazy import lazy_exports
+from .lightning.registration import register_strategies_with_lightning
 
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    "DPDeepSpeedStrategy": "strategy",
-    "DPFabricStrategy": "fabric",
-    "PrivacyAccountantCallback": "callback",
+    "DPDeepSpeedStrategy": "lightning.strategy",
+    "DPFabricStrategy": "fabric.strategy",
+    "PrivacyAccountantCallback": "lightning.callback",
     "PrivacyBudgetExceeded": "accounting",
     "PrivacyLedger": "accounting",
     "calibrate_noise_multiplier": "accounting",
     "PerSampleEngine": "per_sample",
     "UnsupportedLayerError": "per_sample",
-    "DistributedPoissonBatchSampler": "sampling",
+    "DistributedPoissonBatchSampler": "sampling.samplers",
     "fix_model": "per_sample.fix",
-    "post_processing": "_post_processing",
+    "post_processing": "lightning.post_processing",
 }
 __all__ = ["DPDeepSpeedStrategy", "DPFabricStrategy", "PrivacyAccountantCallback", "PrivacyBudgetExceeded", "PrivacyLedger", "PerSampleEngine",
            "UnsupportedLayerError", "DistributedPoissonBatchSampler", "calibrate_noise_multiplier", "fix_model",
@@ -40,13 +40,13 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
-    from ._post_processing import post_processing
+    from .lightning.post_processing import post_processing
     from .accounting import PrivacyBudgetExceeded, PrivacyLedger, calibrate_noise_multiplier
-    from .callback import PrivacyAccountantCallback
+    from .lightning.callback import PrivacyAccountantCallback
     from .per_sample import PerSampleEngine, UnsupportedLayerError
     from .per_sample.fix import fix_model
-    from .sampling import DistributedPoissonBatchSampler
-    from .fabric import DPFabricStrategy
-    from .strategy import DPDeepSpeedStrategy
+    from .sampling.samplers import DistributedPoissonBatchSampler
+    from .fabric.strategy import DPFabricStrategy
+    from .lightning.strategy import DPDeepSpeedStrategy
 
 register_strategies_with_lightning()

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._options import Clipping, check_option
+from .util.options import Clipping, check_option
 from .mechanism import DPMechanism
 from .per_sample import PerSampleEngine
-from .privacy_plan import PrivacyPlan
-from .sampling import DistributedPoissonBatchSampler
+from .accounting.plan import PrivacyPlan
+from .sampling.samplers import DistributedPoissonBatchSampler
 
 __all__ = ["AuditResult", "audit_one_run", "dirac_canaries", "epsilon_lower_bound", "p_value"]
 

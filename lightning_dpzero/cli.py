@@ -85,7 +85,7 @@ def _load(json_path: Path) -> "PrivacyLedger":
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_show(args) -> int:
     """Print the ledger's metadata, entries, total steps, ε (PLD, or RDP where tighter) and ε (RDP)."""
-    from .ledger_report import ledger_lines, ledger_summary
+    from .accounting.report import ledger_lines, ledger_summary
 
     json_path, _ = _resolve(args.path)
     ledger = _load(json_path)
@@ -97,7 +97,7 @@ def cmd_verify(args) -> int:
     """Check the hash chain and recompute ε; for a checkpoint directory, run the checks loading runs
     (:func:`~lightning_dpzero.checkpoints.verify.verify_directory`: commit marker, file digests, the ledger copies
     against each other and the marker, the ledger's steps against the weights' step count)."""
-    from .ledger_report import format_epsilon
+    from .accounting.report import format_epsilon
 
     json_path, ckpt_dir = _resolve(args.path)
     ledger = _load(json_path)  # verifies the hash chain and the head
@@ -136,15 +136,15 @@ def cmd_verify(args) -> int:
 
 def epsilon_curve(ledger: "PrivacyLedger", points: int = 100, accountant: Optional[str] = None
                   ) -> tuple[list[int], list[float]]:
-    """ε after t steps, at about ``points`` step counts: :func:`lightning_dpzero.ledger_report.epsilon_curve`."""
-    from .ledger_report import epsilon_curve as curve
+    """ε after t steps, at about ``points`` step counts: :func:`lightning_dpzero.accounting.report.epsilon_curve`."""
+    from .accounting.report import epsilon_curve as curve
 
     return curve(ledger, points, accountant)
 
 
 def cmd_plot(args) -> int:
     """Write a PNG of ε against steps (PLD and RDP), with entry boundaries marked."""
-    from .ledger_report import format_epsilon, plot_epsilon
+    from .accounting.report import format_epsilon, plot_epsilon
 
     json_path, _ = _resolve(args.path)
     ledger = _load(json_path)
@@ -188,7 +188,7 @@ def _ledger_parser() -> argparse.ArgumentParser:
 def ledger_main(argv: Sequence[str]) -> int:
     """``lightning-dpzero ledger ...``; returns the exit status (0 OK, 1 failure, 2 usage error)."""
     from .accounting.accountants import AccountingRangeError
-    from .ledger_report import quiet_logs
+    from .accounting.report import quiet_logs
 
     args = _ledger_parser().parse_args(list(argv))
     try:
@@ -209,7 +209,7 @@ _DESCRIPTION = ("Lightning CLI with differentially private DeepSpeed strategies 
 
 def lightning_main(argv: Optional[Sequence[str]] = None):
     """Run :class:`~lightning.pytorch.cli.LightningCLI`; model and datamodule are named by ``class_path``."""
-    from ._lightning_cli import build_cli
+    from .lightning.cli import build_cli
 
     return build_cli(argv, description=_DESCRIPTION)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._options import LossReduction, check_option
+from .util.options import LossReduction, check_option
 
 __all__ = ["causal_lm_loss", "token_loss"]
 

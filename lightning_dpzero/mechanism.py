@@ -4,7 +4,7 @@
 training loop: the privacy plan, the ledger (opened, restored, charged before the update, I4), the factors on
 the loss (the loss probe, *The factors on the loss*), the noise hook and its scales (I3), the non-finite-loss
 policy, empty Poisson batches, fresh random streams after a resume, and the check that the noise ran before an
-update was applied. It talks to the other ranks through :class:`~lightning_dpzero._collectives.Collectives`,
+update was applied. It talks to the other ranks through :class:`~lightning_dpzero.util.collectives.Collectives`,
 which every Lightning strategy is, so the same object serves the Trainer's :class:`DPDeepSpeedStrategy`, a
 Fabric loop, or a loop in plain PyTorch (the audit).
 
@@ -34,16 +34,16 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from ._collectives import Collectives, SingleProcess, sum_over_ranks
-from ._micro_batch import logging_suppressed, non_finite_loss_message, without_rows, zero_loss
-from ._step_counts import ChargedUpdates, StepCounts
+from .util.collectives import Collectives, SingleProcess, sum_over_ranks
+from .sampling.micro_batch import logging_suppressed, non_finite_loss_message, without_rows, zero_loss
+from .accounting.step_counts import ChargedUpdates, StepCounts
 from .accounting import PrivacyLedger
 from .accounting.truncation import check_max_micro_batch_size
 from .noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
 from .per_sample import PerSampleEngine
-from .privacy_plan import AccountingSettings, PrivacyPlan
-from .shards import describe_training_data, private_training_loader
-from .user_sampling import check_privacy_unit, unit_text, user_level_loader
+from .accounting.plan import AccountingSettings, PrivacyPlan
+from .sampling.shards import describe_training_data, private_training_loader
+from .sampling.users import check_privacy_unit, unit_text, user_level_loader
 
 
 class NonFiniteLossError(RuntimeError):
@@ -94,7 +94,7 @@ class DPMechanism:
         >>> import torch
         >>> from torch import nn
         >>> from lightning_dpzero import PerSampleEngine
-        >>> from lightning_dpzero.privacy_plan import PrivacyPlan
+        >>> from lightning_dpzero.accounting.plan import PrivacyPlan
         >>> model = nn.Linear(4, 2)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> mechanism = DPMechanism(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
@@ -208,10 +208,10 @@ class DPMechanism:
     def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
                        ) -> DataLoader:
         """The training loader over the same dataset with the distributed Poisson (or shuffled) sampler at
-        ``q = B·W·K/N`` (:func:`lightning_dpzero.shards.private_training_loader`, which lists what it raises)."""
+        ``q = B·W·K/N`` (:func:`lightning_dpzero.sampling.shards.private_training_loader`, which lists what it raises)."""
         options = dict(pre_sharded=pre_sharded, poisson=self.poisson_sampling, seed=self.seed,
                        secure_mode=self.secure_mode, max_micro_batch_size=self.max_micro_batch_size)
-        if self.privacy_unit == "user":  # Poisson sampling over users (user_sampling.py)
+        if self.privacy_unit == "user":  # Poisson sampling over users (sampling/users.py)
             data = describe_training_data(dataloader, self.collectives.world_size, pre_sharded)
             loader = user_level_loader(dataloader, self.collectives, accumulate_grad_batches, **options,
                                        max_examples_per_user=self.max_examples_per_user, batch_sizes=data.batch_sizes)
@@ -406,7 +406,7 @@ class DPMechanism:
     def begin_fit(self, counts: Mapping[str, int]) -> None:
         """The drivers' own step counters at the start of a fit (e.g. Lightning's ``global_step``, DeepSpeed's
         ``global_steps``): from here each update must advance each of them and the ledger by one
-        (:meth:`optimizer_step`'s ``counts``; :class:`~lightning_dpzero._step_counts.StepCounts`)."""
+        (:meth:`optimizer_step`'s ``counts``; :class:`~lightning_dpzero.accounting.step_counts.StepCounts`)."""
         self._counts.begin(self.ledger.steps if self.ledger is not None else 0, counts)
 
     def charge(self) -> None:
@@ -423,7 +423,7 @@ class DPMechanism:
         have advanced as the ledger did since :meth:`begin_fit` (else ``RuntimeError`` before the update). After
         it, an update that was applied (``step_applied()``) without the noise hook having run stops training. The noised
         optimizer may update each parameter once, and only between the charge and the end of ``step``
-        (:class:`~lightning_dpzero._step_counts.ChargedUpdates`)."""
+        (:class:`~lightning_dpzero.accounting.step_counts.ChargedUpdates`)."""
 
         def charged_closure() -> Any:
             result = closure()

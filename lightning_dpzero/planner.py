@@ -3,7 +3,7 @@
 Training fixes its privacy plan when the training loader is known (docs/design.md, *Where each piece runs*):
 q = B·W·K/N from the loader's ``batch_size`` B, the W processes, K = ``accumulate_grad_batches`` and the dataset
 size N; the planned steps from ``max_steps``, or ``max_epochs`` times the optimizer steps of an epoch of the DP
-sampler; then :meth:`PrivacyPlan.build <lightning_dpzero.privacy_plan.PrivacyPlan.build>` calibrates σ to the
+sampler; then :meth:`PrivacyPlan.build <lightning_dpzero.accounting.plan.PrivacyPlan.build>` calibrates σ to the
 target ε. :func:`plan_run` does the same from plain numbers with the same ``PrivacyPlan.build``, so the σ it
 prints is the one the run then calibrates (bit for bit). It imports dp-accounting, not Lightning or torch.
 :func:`settings_from_config` reads the numbers from a Lightning config instead, by instantiating its trainer,
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
-    from .privacy_plan import PrivacyPlan
+    from .accounting.plan import PrivacyPlan
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class PlannedRun:
     """A run's privacy plan and what it spends.
 
     Attributes:
-        plan: the :class:`~lightning_dpzero.privacy_plan.PrivacyPlan` training fixes (σ, q, N, δ, B_exp, steps).
+        plan: the :class:`~lightning_dpzero.accounting.plan.PrivacyPlan` training fixes (σ, q, N, δ, B_exp, steps).
         batch_size: B, the per-device micro-batch of the training loader.
         world_size: W, processes over all nodes.
         accumulate_grad_batches: K.
@@ -125,7 +125,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     from .accounting import BudgetGuard, PrivacyLedger, epsilon_for
     from .accounting.truncation import (MicroBatchBound, check_fixed_size_bound, check_max_micro_batch_size,
                                         rank_sizes_of)
-    from .privacy_plan import PrivacyPlan, limited_micro_batches
+    from .accounting.plan import PrivacyPlan, limited_micro_batches
 
     world = int(devices) * int(num_nodes)
     k = accumulate_grad_batches
@@ -171,12 +171,12 @@ def settings_from_config(cli_args: Sequence[str]) -> dict[str, Any]:
     Raises:
         ValueError: the config's strategy is not a DP strategy, or its loader has no ``batch_size``.
     """
-    from ._lightning_cli import build_cli
-    from .callback import PrivacyAccountantCallback
-    from .sampling import dataset_size
-    from .strategy import DPDeepSpeedStrategy
+    from .lightning.cli import build_cli
+    from .lightning.callback import PrivacyAccountantCallback
+    from .sampling.loader import dataset_size
+    from .lightning.strategy import DPDeepSpeedStrategy
 
-    from .ledger_report import quiet_logs
+    from .accounting.report import quiet_logs
 
     # the Trainer's banners and "Seed set to": not part of a plan
     with quiet_logs(("lightning.pytorch", "lightning.fabric"), logging.WARNING):
@@ -208,7 +208,7 @@ def settings_from_config(cli_args: Sequence[str]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- the command
 def _lines(run: PlannedRun) -> list[str]:
-    from .ledger_report import format_epsilon
+    from .accounting.report import format_epsilon
 
     p = run.plan
     sampler = "Poisson" if p.sampler_kind == "poisson" else "shuffled fixed-size batches, accounted as if Poisson"
@@ -299,7 +299,7 @@ def plan_main(argv: Sequence[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)} (Lightning overrides need --config)")
     given = {k: v for k, v in vars(args).items()
              if v is not None and k not in ("config", "json", "plot", "points")}
-    from .ledger_report import quiet_logs
+    from .accounting.report import quiet_logs
 
     with quiet_logs():
         return _plan_command(parser, args, rest, given)
@@ -326,7 +326,7 @@ def _plan_command(parser, args, rest: list[str], given: dict[str, Any]) -> int:
         if run.plan.planned_steps is None:
             print("lightning-dpzero plan: --plot needs a bounded run (--epochs or --max-steps)", file=sys.stderr)
             return 1
-        from .ledger_report import plot_epsilon
+        from .accounting.report import plot_epsilon
 
         try:
             out = plot_epsilon(_ledger_of(run), args.plot, points=args.points, target_epsilon=run.plan.target_epsilon,

@@ -186,7 +186,7 @@ def summary_main(argv: Sequence[str]) -> int:
     p.add_argument("--json", action="store_true", help="print it as JSON (the ledger as its summary)")
     args = p.parse_args(list(argv))
     from .accounting import LedgerIntegrityError
-    from .ledger_report import ledger_lines, ledger_summary, quiet_logs
+    from .accounting.report import ledger_lines, ledger_summary, quiet_logs
 
     try:
         with quiet_logs():

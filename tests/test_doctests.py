@@ -33,14 +33,14 @@ def test_docstring_examples_run(name):
 def _public_classes():
     from lightning_dpzero import (DistributedPoissonBatchSampler, DPDeepSpeedStrategy, PrivacyAccountantCallback,
                                   PrivacyLedger)
-    from lightning_dpzero._collectives import SingleProcess
+    from lightning_dpzero.util.collectives import SingleProcess
     from lightning_dpzero.accounting import LedgerEntry
     from lightning_dpzero.audit import AuditResult
     from lightning_dpzero.checkpoints import CheckpointProtocol, ExportedCheckpoint
     from lightning_dpzero.mechanism import DPMechanism
     from lightning_dpzero.metrics import ClipFraction, MeanGradNorm, PrivacyRunLogger
     from lightning_dpzero.noise import NoiseSource
-    from lightning_dpzero.privacy_plan import AccountingSettings, PrivacyPlan
+    from lightning_dpzero.accounting.plan import AccountingSettings, PrivacyPlan
     from lightning_dpzero.sampling import DistributedShuffledBatchSampler
 
     return [DPDeepSpeedStrategy, PrivacyAccountantCallback, PrivacyLedger, LedgerEntry, PrivacyPlan,

@@ -1,28 +1,35 @@
-"""The package's layout stays readable: imports without cycles, a strategy that only wires, one definition of
-each checkpoint file name and key, and comments that cite docs/design.md (docs/design.md, *Layout*)."""
+"""The package's layout stays readable: a top level of at most 12 modules (the public API and the mechanism;
+the rest in the folders of docs/design.md, *Layout*), imports without cycles in the package and in benchmarks/,
+tests in folders that mirror the package's, a strategy that only wires, one definition of each checkpoint file
+name and key, and comments that cite docs/design.md."""
 
 import ast
+import re
 from pathlib import Path
 
 import lightning_dpzero
 
 PACKAGE = Path(lightning_dpzero.__file__).parent
 ROOT = PACKAGE.name
+REPO = PACKAGE.parent
+TESTS = Path(__file__).resolve().parent
+#: the most modules lightning_dpzero/*.py may hold (``__init__.py`` counted): what a user imports, and the mechanism
+MAX_TOP_LEVEL = 12
 
 
-def _modules() -> dict[str, tuple[Path, bool]]:
+def _modules(folder: Path) -> dict[str, tuple[Path, bool]]:
     out = {}
-    for f in PACKAGE.rglob("*.py"):
-        parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for f in folder.rglob("*.py"):
+        parts = list(f.relative_to(folder.parent).with_suffix("").parts)
         is_pkg = parts[-1] == "__init__"
         out[".".join(parts[:-1] if is_pkg else parts)] = (f, is_pkg)
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports, at module level or inside functions alike (a lazy import
-    hides a cycle, it does not remove it)."""
-    modules = _modules()
+def import_graph(folder: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the modules of ``folder`` (a package, or benchmarks/) it imports, at module level or inside
+    functions alike (a lazy import hides a cycle, it does not remove it)."""
+    modules = _modules(folder)
     graph: dict[str, set[str]] = {}
     for name, (f, is_pkg) in modules.items():
         base = name.split(".") if is_pkg else name.split(".")[:-1]
@@ -35,7 +42,7 @@ def import_graph() -> dict[str, set[str]]:
                 module = ".".join(prefix + ([node.module] if node.module else []))
                 for a in node.names:
                     targets.add(f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module)
-        graph[name] = {t for t in targets if t in modules and t != name and t.split(".")[0] == ROOT}
+        graph[name] = {t for t in targets if t in modules and t != name and t.split(".")[0] == folder.name}
     return graph
 
 
@@ -62,9 +69,17 @@ def find_cycle(graph: dict[str, set[str]]):
 
 def test_package_imports_are_acyclic():
     graph = import_graph()
-    # the graph sees real edges: the strategy reaches the mechanism through the settings both strategies share
-    assert "lightning_dpzero._dp_settings" in graph["lightning_dpzero.strategy"]
-    assert "lightning_dpzero.mechanism" in graph["lightning_dpzero._dp_settings"]
+    # the graph sees real edges: the strategy reaches the mechanism through the settings both strategies share,
+    # and a folder's module the top level's (relative imports two levels up)
+    assert "lightning_dpzero.lightning.settings" in graph["lightning_dpzero.lightning.strategy"]
+    assert "lightning_dpzero.mechanism" in graph["lightning_dpzero.lightning.settings"]
+    assert "lightning_dpzero.util.options" in graph["lightning_dpzero.per_sample.engine"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_benchmark_imports_are_acyclic():
+    graph = import_graph(REPO / "benchmarks")
+    assert "benchmarks.per_layer_rnn" in graph["benchmarks.per_layer"]  # the graph sees real edges
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -73,8 +88,42 @@ def test_a_cycle_would_be_found():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_the_top_level_holds_the_public_api_and_the_mechanism():
+    top = sorted(f.name for f in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules at the top level (at most {MAX_TOP_LEVEL}): {top}"
+    assert {"__init__.py", "mechanism.py"} <= set(top)
+
+
+def test_design_layout_lists_the_tree():
+    """docs/design.md's *Layout* names every folder of the package and every top-level module, and no module
+    that is not there."""
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Layout"):]
+    block = layout[layout.index("```") + 3:]
+    block = block[:block.index("```")]
+    folders = sorted(d.name + "/" for d in PACKAGE.iterdir() if (d / "__init__.py").is_file())
+    top = sorted(f.name for f in PACKAGE.glob("*.py"))
+    named = set(re.findall(r"^ {2}([\w/]+(?:\.py|/))", block, re.M))
+    assert named == set(folders) | set(top), sorted(named ^ (set(folders) | set(top)))
+    for folder in folders:  # each file a folder's entry names exists there
+        listed = re.search(rf"^ {{2}}{re.escape(folder)}(.*?)(?=^ {{2}}\S|\Z)", block, re.M | re.S).group(1)
+        missing = [f for f in re.findall(r"^ {4}(\w+\.py)", listed, re.M) if not (PACKAGE / folder / f).is_file()]
+        assert missing == [], (folder, missing)
+
+
+def test_tests_mirror_the_package():
+    """Every folder of tests/ holding tests is a folder of the package (or tests/reliability/, the crash and
+    security suite); test file names are unique (the folders have no __init__.py: pytest imports by name)."""
+    folders = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()} | {"reliability"}
+    test_dirs = {f.parent for f in TESTS.rglob("test_*.py")} - {TESTS}
+    assert {d.relative_to(TESTS).as_posix() for d in test_dirs} <= folders
+    names = [f.name for f in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert not list(TESTS.rglob("__init__.py"))
+
+
 def test_the_strategy_only_wires():
-    lines = (PACKAGE / "strategy.py").read_text(encoding="utf-8").splitlines()
+    lines = (PACKAGE / "lightning" / "strategy.py").read_text(encoding="utf-8").splitlines()
     assert len(lines) < 300, len(lines)
 
 
@@ -108,10 +157,8 @@ def test_each_checkpoint_name_is_defined_once():
 
 
 def test_comments_cite_the_design_in_the_repository():
-    stale = [f.relative_to(PACKAGE).as_posix() for f in sorted(PACKAGE.glob("*.py"))
+    stale = [f.relative_to(PACKAGE).as_posix() for f in sorted(PACKAGE.rglob("*.py"))
              if "DESIGN §" in f.read_text(encoding="utf-8")]
-    stale += [f.relative_to(PACKAGE).as_posix() for f in sorted((PACKAGE / "checkpoints").glob("*.py"))
-              if "DESIGN §" in f.read_text(encoding="utf-8")]
     assert stale == []
 
 
@@ -124,7 +171,7 @@ def test_overridden_lightning_methods_say_so():
     from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
 
     from lightning_dpzero import DPFabricStrategy
-    from lightning_dpzero._launch import DeepSpeedLaunchMixin, FabricDeepSpeedLaunchMixin
+    from lightning_dpzero.deepspeed.launch import DeepSpeedLaunchMixin, FabricDeepSpeedLaunchMixin
     from lightning_dpzero.metrics import PrivacyRunLogger
 
     missing = []

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from oracle import clipped_sum, per_example_grads
 from lightning_dpzero import PerSampleEngine, PrivacyLedger
 from lightning_dpzero.mechanism import DPMechanism, NonFiniteLossError
-from lightning_dpzero.privacy_plan import PrivacyPlan
+from lightning_dpzero.accounting.plan import PrivacyPlan
 
 B_EXP, C = 8.0, 0.5
 

@@ -143,7 +143,7 @@ def test_two_gloo_processes_sum_states(tmp_path):
 def test_dp_hyperparameters_reads_the_plan():
     from lightning_dpzero import DPDeepSpeedStrategy, PrivacyAccountantCallback
     from lightning_dpzero.metrics import dp_hyperparameters
-    from lightning_dpzero.privacy_plan import PrivacyPlan
+    from lightning_dpzero.accounting.plan import PrivacyPlan
 
     strategy = DPDeepSpeedStrategy(stage=3, max_grad_norm=0.5, clipping="all-layer", clipping_fn="automatic")
     strategy.mechanism.plan = PrivacyPlan(dataset_size=1000, sample_rate=0.064, expected_batch_size=64.0,

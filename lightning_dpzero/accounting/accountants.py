@@ -32,7 +32,7 @@ from typing import Iterable, Optional, get_args
 
 import dp_accounting
 
-from .._options import Accountant
+from ..util.options import Accountant
 from . import pld as _pld
 from .rdp import rdp_epsilon
 from .truncation import epsilon_with_truncation, step_probability, truncation_share

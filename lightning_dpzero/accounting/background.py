@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-from .._options import AccountingWorker, check_option
+from ..util.options import AccountingWorker, check_option
 from .accountants import EpsilonTracker
 from .budget import BudgetGuard
 from .ledger import LedgerEntry
@@ -108,7 +108,7 @@ class StepAnswers(NamedTuple):
     allowed_steps: float             #: how many more steps of the plan fit the budget, counted up to the span
     #: (0: not the next one; ``inf`` without a budget)
     #: ε (as ``epsilon``) after the last of the next ``span`` steps that fit the budget: an upper bound on ε after
-    #: each of them, shown until the next decision point (lightning_dpzero._epsilon_display)
+    #: each of them, shown until the next decision point (lightning_dpzero.lightning.epsilon_display)
     epsilon_ahead: float = 0.0
 
     @property

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
-from .._atomic import atomic_write_text
+from ..util.atomic import atomic_write_text
 from .accountants import EpsilonBound, _check_accountant, _check_delta, epsilon_bound
 from .truncation import MicroBatchBound, bound_fields
 

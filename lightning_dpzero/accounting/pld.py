@@ -41,7 +41,7 @@ that the Chernoff bounds' log moment generating functions of a one-step PMF are 
 at every call (they were three quarters of the cost of a call at small step counts). The inversion to
 epsilon is ``pld_pmf._get_epsilon_for_delta`` vectorised (the library loops in Python over every point
 above epsilon) and with the sum of exp(-loss) * prob kept in log space (the library's underflows past ~700
-nats). ``tests/test_epsilon_accuracy.py`` checks both against the library; measured accuracy and cost are
+nats). ``tests/accounting/test_epsilon_accuracy.py`` checks both against the library; measured accuracy and cost are
 in docs/privacy.md (*How epsilon is computed*).
 """
 

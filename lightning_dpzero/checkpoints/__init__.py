@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_exports
+from ..util.lazy import lazy_exports
 
 _EXPORTS = {
     "CheckpointIntegrityError": "commit", "IncompleteCheckpointError": "commit", "verify_checkpoint": "verify",

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .._atomic import atomic_write_text, fsync_dir
+from ..util.atomic import atomic_write_text, fsync_dir
 from ..accounting import PrivacyLedger
 from .format import COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE
 

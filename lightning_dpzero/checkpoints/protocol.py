@@ -3,7 +3,7 @@
 :class:`CheckpointProtocol` holds the order of a save (the commit marker last) and the checks of a load (the
 marker and the files before anything is unpickled; the ledgers against each other, the marker and the weights'
 step count after), as docs/design.md, *Checkpoints*, and docs/reliability.md describe them. It talks to the
-other ranks through :class:`~lightning_dpzero._collectives.Collectives` (any Lightning strategy) and leaves the
+other ranks through :class:`~lightning_dpzero.util.collectives.Collectives` (any Lightning strategy) and leaves the
 writing and reading of the shards to the caller's DeepSpeed functions.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from .._atomic import atomic_write_text, fsync_dir
-from .._collectives import Collectives, gather_dicts, gather_lists
+from ..util.atomic import atomic_write_text, fsync_dir
+from ..util.collectives import Collectives, gather_dicts, gather_lists
 from ..accounting import PrivacyLedger
 from .commit import (CheckpointIntegrityError, check_commit_matches, checkpoint_files, file_digest, file_problems,
                      raise_file_problems, write_commit)
@@ -36,7 +36,7 @@ class CheckpointProtocol:
     Example:
         >>> import pathlib, tempfile
         >>> from lightning_dpzero import PrivacyLedger
-        >>> from lightning_dpzero._collectives import SingleProcess
+        >>> from lightning_dpzero.util.collectives import SingleProcess
         >>> ledger = PrivacyLedger(delta=1e-5, dataset_size=100)
         >>> ledger.charge(sample_rate=0.1, noise_multiplier=1.0)
         >>> tmp = tempfile.TemporaryDirectory()

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from .._options import Clipping, ClippingFn, ClippingMode, check_option
+from ..util.options import Clipping, ClippingFn, ClippingMode, check_option
 
 
 def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .._options import LossReduction, check_option
+from ..util.options import LossReduction, check_option
 from .base import LayerHook, Site, UnsupportedLayerError, no_autocast
 from .broadcast import on_shared_indices
 from .clipping import ClipStats, clip_coefficients_sq, form_groups, validate_clipping
@@ -108,7 +108,7 @@ class PerSampleEngine:
         self._checks = 0  # micro-batches checked (layout check, then spot checks: mixing.py)
         self._guards: list = []
         self.active = False
-        # _post_processing.py: forwards without the engine (after a private step), a generator's backward under way
+        # post_processing: forwards without the engine (after a private step), a generator's backward under way
         self.public = self.post_processing_backward = False
         # Set per micro-batch by the caller (see ``micro_batch``):
         self.expected_batch_size: Optional[int] = None
@@ -345,7 +345,7 @@ class PerSampleEngine:
     # ---------------------------------------------------------------- backward
     def _on_backward(self, site: Site, params) -> list[Optional[torch.Tensor]]:
         """A site's backward: its norms, then the clipped gradients it returns (none where deferred)."""
-        if self.post_processing_backward:  # _post_processing.py: a generator's loss through a private forward
+        if self.post_processing_backward:  # post_processing: a generator's loss through a private forward
             raise UnsupportedLayerError(
                 f"A post-processing model's backward reached '{site.hook.name}' of a private forward (between a draw "
                 "and its step): compute its loss with a forward of the private model after the private step.")

@@ -34,7 +34,7 @@ import math
 from typing import Any, Optional
 
 import torch
-from .._collectives import sum_over_ranks
+from ..util.collectives import sum_over_ranks
 from .base import UnsupportedLayerError
 from .parameters import ParameterHook
 from .provenance import by_example, lost_at, rows_of

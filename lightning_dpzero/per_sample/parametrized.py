@@ -282,7 +282,7 @@ class ParametrizedHook(LayerHook):
         super().__init__(engine, module, name, ParametrizedRule(inner, module, reparams))
         # parametrize keeps the originals in a child module: ZeRO-3 gathers the layer whole, forward and backward
         self.zero3_leaf = any(True for _ in module.children())
-        from .._known_warnings import filter_known_warnings
+        from ..util.known_warnings import filter_known_warnings
 
         filter_known_warnings()  # torch.func's notice of its exact per-example fallback for weight_norm's backward
 

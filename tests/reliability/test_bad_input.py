@@ -211,9 +211,9 @@ def test_counters_that_drift_apart_stop_training_before_the_update(monkeypatch):
     """The safety net under the window refusals: with them and the explicit DeepSpeed boundary taken away (the
     behaviour before they existed), DeepSpeed's own micro-step counter drifts from Lightning's per-epoch one at
     the first epoch boundary, and the step-counter check stops training before that update is applied."""
-    import lightning_dpzero._lightning_loop as loop
+    import lightning_dpzero.lightning.loop as loop
 
-    monkeypatch.setattr(lightning_dpzero._refusals, "check_whole_windows", lambda *a: None)
+    monkeypatch.setattr(lightning_dpzero.lightning.refusals, "check_whole_windows", lambda *a: None)
     monkeypatch.setattr(loop, "closes_window", lambda trainer: None)  # None: DeepSpeed's own counter decides
     model, strategy = Net(), DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0)
     with pytest.raises(RuntimeError, match=r"counters disagree before an update \(ledger steps 2 \(\+2 this fit\), "

@@ -13,7 +13,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from crash_harness import launch, results
-from lightning_dpzero._lightning_loop import resume_advice
+from lightning_dpzero.lightning.loop import resume_advice
 from lightning_dpzero.checkpoints import verify_checkpoint
 
 BASE = dict(model="token", n=64, batch_size=4, lr=0.5, sigma=1.0, C=0.5, stage=2, seed=1234, accumulate=2)
