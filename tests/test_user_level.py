@@ -226,3 +226,20 @@ def test_user_level_on_zero3_with_two_processes_matches_the_per_user_replay(tmp_
         for name, v in want.items():
             torch.testing.assert_close(res["final"][name], v.float(), rtol=0, atol=1e-5,
                                        msg=lambda m: f"{case['name']} {name}: {m}")
+
+
+def test_the_planner_plans_in_users(capsys):
+    """``plan --users U --max-examples-per-user k`` plans q = B·W·K/U and records the unit; ε equals N=U's."""
+    from lightning_dpzero.planner import plan_main, plan_run
+
+    user = plan_run(1000, 10, max_steps=100, noise_multiplier=1.0, max_examples_per_user=3)
+    rows = plan_run(1000, 10, max_steps=100, noise_multiplier=1.0)
+    assert user.plan.privacy_unit == {"unit": "user", "max_examples_per_user": 3}
+    assert rows.plan.privacy_unit is None
+    assert user.plan.sample_rate == rows.plan.sample_rate == 10 / 1000
+    assert user.epsilon_pld == rows.epsilon_pld
+    assert plan_main(["--users", "1000", "--max-examples-per-user", "3", "--batch-size", "10",
+                      "--max-steps", "100", "--noise-multiplier", "1.0"]) == 0
+    assert "users U:                1000 (user-level, at most 3 rows per user" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="max_examples_per_user must be >= 1"):
+        plan_run(1000, 10, max_steps=100, noise_multiplier=1.0, max_examples_per_user=0)
