@@ -131,3 +131,21 @@ def test_resume_mid_band_continues_the_noise_exactly():
     assert not np.allclose(run(4, BandedNoiseSource(fresh, bands)), whole[3:])
     with pytest.raises(ValueError, match="bands=4"):
         BandedNoiseSource(NoiseSource(0, False, True, 0), 3).load_state_dict(state)
+
+
+def test_banded_event_feeds_the_existing_accountant_and_calibration():
+    from lightning_dpzero.accounting.banded import banded_entries, banded_event
+    from lightning_dpzero.accounting.calibration import calibrate_noise_multiplier, epsilon_for
+
+    ev = banded_event(0.01, 1.0, 1000, 4)
+    assert (ev.sample_rate, ev.steps) == (0.04, 250)
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, ev.sample_rate, ev.steps)
+    assert 1.98 <= epsilon_for(sigma, 1e-5, ev.sample_rate, ev.steps) <= 2.0
+
+    class E:
+        sample_rate, noise_multiplier, steps = 0.01, 1.0, 1000
+    assert compute_epsilon(banded_entries([E], 4), 1e-5) == compute_epsilon([ev], 1e-5)
+    # b = 1 is DP-SGD's accounting
+    assert compute_epsilon(banded_entries([E], 1), 1e-5) == compute_epsilon([E], 1e-5)
+    with pytest.raises(ValueError, match="q_b"):
+        banded_event(0.3, 1.0, 10, 4)
