@@ -97,6 +97,8 @@ def make_noise_pre_hook(get_scales: Callable[[], tuple[float, float]], source: N
         if check is not None:
             check(optimizer)
         grad_mult, std = get_scales()
+        if std > 0 and hasattr(source, "begin_step"):  # correlated noise (banded_mf.BandedNoiseSource): one step
+            source.begin_step()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:

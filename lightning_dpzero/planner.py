@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -90,7 +91,8 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
              accumulate_grad_batches: int = 1, max_epochs: Optional[int] = None, max_steps: Optional[int] = None,
              limit_train_batches: Any = 1.0, noise_multiplier: Optional[float] = None,
              target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld",
-             poisson_sampling: bool = True, max_micro_batch_size: Optional[int] = None) -> PlannedRun:
+             poisson_sampling: bool = True, max_micro_batch_size: Optional[int] = None,
+             max_examples_per_user: Optional[int] = None) -> PlannedRun:
     """The privacy plan ``Trainer.fit`` with :class:`~lightning_dpzero.DPDeepSpeedStrategy` fixes, and its ε.
 
     Args:
@@ -111,6 +113,9 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
         max_micro_batch_size: as the strategy's: b, the most examples of one micro-batch; the truncation's
             (1 + e^ε)·p(T) is taken from δ (``plan.truncation_delta``), over the sampler's split of N over the W
             ranks.
+        max_examples_per_user: k, for ``privacy_unit="user"``: dataset_size and batch_size then count users
+            (U and users per micro-batch), ε is per user and the plan records the unit. None: example-level.
+            Raises ValueError when k < 1.
 
     Raises:
         ValueError: what the run would refuse: q > 1, a target without σ for an unbounded run, an explicit σ
@@ -144,6 +149,11 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
                              max_epochs=max_epochs, noise_multiplier=noise_multiplier,
                              target_epsilon=target_epsilon, delta=delta, accountant=accountant,
                              micro_batch_bound=bound)
+    if max_examples_per_user is not None:  # user-level: dataset_size and batch_size count users, ε is per user
+        if int(max_examples_per_user) < 1:
+            raise ValueError(f"max_examples_per_user must be >= 1, got {max_examples_per_user}")
+        plan = dataclasses.replace(plan, privacy_unit={"unit": "user",
+                                                       "max_examples_per_user": int(max_examples_per_user)})
     p = plan.truncation_probability
     eps = {}
     for acc in ("pld", "rdp"):
@@ -220,7 +230,10 @@ def _lines(run: PlannedRun) -> list[str]:
                   else "given")
     mark = {"pld": "", "rdp": ""}
     mark[p.accountant] = "  <- the run's accountant"
-    out = [f"dataset size N:         {p.dataset_size}",
+    unit = p.privacy_unit
+    out = [f"dataset size N:         {p.dataset_size}" if unit is None else
+           f"users U:                {p.dataset_size} (user-level, at most {unit['max_examples_per_user']} "
+           "rows per user; epsilon is per user)",
            f"batch size:             {run.batch_size} per device x {run.world_size} process(es) x "
            f"{run.accumulate_grad_batches} accumulated = {run.batch_size * run.world_size * run.accumulate_grad_batches}",
            f"sample rate q:          {p.sample_rate!r}  ({sampler})",
@@ -258,6 +271,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", metavar="RUN.yaml",
                    help="a Lightning config, as for `lightning-dpzero fit --config` (may be repeated)")
     p.add_argument("--dataset-size", type=int, help="N, training examples over all ranks")
+    p.add_argument("--users", dest="dataset_size", type=int,
+                   help="U, users in the training set: user-level DP (with --max-examples-per-user)")
+    p.add_argument("--max-examples-per-user", type=int, metavar="K",
+                   help="k, rows a sampled user contributes (privacy_unit='user'); N, B and epsilon then count users")
     p.add_argument("--batch-size", type=int, help="B, the training DataLoader's batch_size (per device)")
     p.add_argument("--devices", type=int, help="processes per node (default 1)")
     p.add_argument("--num-nodes", type=int, help="nodes (default 1)")

@@ -226,3 +226,49 @@ def test_user_level_on_zero3_with_two_processes_matches_the_per_user_replay(tmp_
         for name, v in want.items():
             torch.testing.assert_close(res["final"][name], v.float(), rtol=0, atol=1e-5,
                                        msg=lambda m: f"{case['name']} {name}: {m}")
+
+
+def test_the_planner_plans_in_users(capsys):
+    """``plan --users U --max-examples-per-user k`` plans q = B·W·K/U and records the unit; ε equals N=U's."""
+    from lightning_dpzero.planner import plan_main, plan_run
+
+    user = plan_run(1000, 10, max_steps=100, noise_multiplier=1.0, max_examples_per_user=3)
+    rows = plan_run(1000, 10, max_steps=100, noise_multiplier=1.0)
+    assert user.plan.privacy_unit == {"unit": "user", "max_examples_per_user": 3}
+    assert rows.plan.privacy_unit is None
+    assert user.plan.sample_rate == rows.plan.sample_rate == 10 / 1000
+    assert user.epsilon_pld == rows.epsilon_pld
+    assert plan_main(["--users", "1000", "--max-examples-per-user", "3", "--batch-size", "10",
+                      "--max-steps", "100", "--noise-multiplier", "1.0"]) == 0
+    assert "users U:                1000 (user-level, at most 3 rows per user" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="max_examples_per_user must be >= 1"):
+        plan_run(1000, 10, max_steps=100, noise_multiplier=1.0, max_examples_per_user=0)
+
+
+def test_a_fabric_loop_clips_each_sampled_users_mean_gradient():
+    """DPFabricStrategy(privacy_unit="user"): the Fabric loop's first step equals the per-user reference (σ = 0)."""
+    from lightning.fabric import Fabric
+
+    from lightning_dpzero import DPFabricStrategy
+
+    strategy = DPFabricStrategy(stage=2, noise_multiplier=0.0, max_grad_norm=0.1, seed=3, clipping="all-layer",
+                                privacy_unit="user", max_examples_per_user=2)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    init = {n: p.detach().clone() for n, p in net.named_parameters()}
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=1.0))
+    loader = fabric.setup_dataloaders(DataLoader(Notes(), batch_size=4))
+    x, y, idx = next(iter(loader))
+    fabric.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    rows = idx.tolist()
+    assert len({USERS[i] for i in rows}) < len(rows)  # some user gave two rows: the units matter
+    ref = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref.load_state_dict(init)
+    per = per_example_grads_loop(ref, F.cross_entropy, x.detach(), y)
+    summed = clipped_sum(ref, unit_means(per, [USERS[i] for i in rows]), 0.1, "all-layer")
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.detach().double(), init[n].double() - summed[n] / 4, rtol=0, atol=1e-6)
+    assert strategy.ledger.privacy_unit == {"unit": "user", "max_examples_per_user": 2}
