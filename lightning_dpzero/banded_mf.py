@@ -11,7 +11,7 @@ DP-SGD releases ``g_t + z_t`` with independent ``z_t``. BandMF releases ``g_t + 
 * ``z_t ~ N(0, σ² C_clip² I)`` i.i.d. (then divided by the expected batch, as DP-SGD's noise is).
 
 **Scaling (why σ means the same as in DP-SGD).** The mechanism is equivalent to releasing ``C x + z`` for the
-stacked gradients ``x`` (then post-processing by ``C⁻¹``). With *cyclic* Poisson sampling (:mod:`.cyclic_sampling`)
+stacked gradients ``x`` (then post-processing by ``C⁻¹``). With *cyclic* Poisson sampling (:mod:`.sampling.cyclic`)
 an example can only be sampled at steps ``t ≡ k (mod b)`` for its part ``k``, so two of its participations are at
 least b steps apart; columns of a b-banded ``C`` that far apart have disjoint supports. Changing one example's
 clipped gradient at one participation changes ``C x`` by ``C[:, t] · g`` with ``‖C[:, t]‖ <= 1`` and ``‖g‖ <= C_clip``,

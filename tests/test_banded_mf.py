@@ -1,5 +1,5 @@
 """BandMF (amplified banded matrix factorization): the released noise's covariance, b=1 equals DP-SGD, the
-accounting, the cyclic parts and resume mid-band (lightning_dpzero.banded_mf, lightning_dpzero.cyclic_sampling)."""
+accounting, the cyclic parts and resume mid-band (lightning_dpzero.banded_mf, lightning_dpzero.sampling.cyclic)."""
 
 
 import dp_accounting
@@ -10,7 +10,7 @@ import torch
 from lightning_dpzero.accounting.accountants import compute_epsilon
 from lightning_dpzero.banded_mf import (BandedNoiseSource, banded_accounting_steps, banded_coefficients,
                                         banded_matrix, check_banded_supported, expected_noise_covariance)
-from lightning_dpzero.cyclic_sampling import CyclicPoissonBatchSampler, cyclic_parts
+from lightning_dpzero.sampling.cyclic import CyclicPoissonBatchSampler, cyclic_parts
 from lightning_dpzero.noise import NoiseSource, make_noise_pre_hook
 
 

@@ -7,7 +7,7 @@ the DP pieces (docs/design.md, *Where each piece runs*).
 * ``training_step`` / ``backward``: the mechanism declares each micro-batch and probes the loss for every factor
   Lightning and DeepSpeed put on it, so the engine recovers each example's own gradient before clipping;
 * ``on_train_batch_start`` / ``optimizer_step``: DeepSpeed's boundary follows the sampler's window, and the ledger
-  is charged at each boundary before the update, the step counters checked (``_lightning_loop``: also SIGTERM);
+  is charged at each boundary before the update, the step counters checked (``loop.py``: also SIGTERM);
 * ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint``: ``CheckpointProtocol`` (checkpoints/).
 
 The DP step itself is :class:`~lightning_dpzero.mechanism.DPMechanism` (``strategy.mechanism``).

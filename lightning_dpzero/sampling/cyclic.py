@@ -3,7 +3,7 @@
 The training set is split once into b fixed, disjoint parts that cover it (:func:`cyclic_parts`, deterministic from
 ``partition_seed`` and identical on every rank); optimizer step t Poisson-samples part ``t mod b`` at rate
 ``q_b = expected batch / (N / b) = b · q``. Every example is thus sampled at most once per round of b steps, which
-is what lets a b-banded ``C`` keep each participation's sensitivity at C_clip (:mod:`.banded_mf`).
+is what lets a b-banded ``C`` keep each participation's sensitivity at C_clip (:mod:`..banded_mf`).
 
 The partition seed must stay the same for the whole run, resumes included (the noise and sampling streams are
 renewed on resume, the parts are not): record it with the run.
@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .sampling import DistributedPoissonBatchSampler, _secure_uniform
+from .samplers import DistributedPoissonBatchSampler, _secure_uniform
 
 __all__ = ["cyclic_parts", "CyclicPoissonBatchSampler"]
 
