@@ -96,7 +96,21 @@ class _ShardedBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch * self.accumulate_grad_batches
 
 
-class DistributedPoissonBatchSampler(_ShardedBatchSampler):
+class _PoissonSizes:
+    """The sizes of a Poisson sampler with ``sample_rate`` q over ``num_samples`` N (examples, or users)."""
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q * N: the expected logical batch per optimizer step over all ranks and micro-batches."""
+        return self.sample_rate * self.num_samples
+
+    @property
+    def batch_size(self) -> int:
+        """Nominal per-rank micro-batch, max(1, round(q N / (W K))), for throughput logging only: real batches vary."""
+        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
+
+
+class DistributedPoissonBatchSampler(_PoissonSizes, _ShardedBatchSampler):
     """Poisson subsampling (each example independently with probability q) for DP-SGD, sharded over ranks.
 
     Args:
@@ -153,16 +167,6 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
         if steps_per_epoch is None:
             steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.steps_per_epoch = _check_int("steps_per_epoch", steps_per_epoch, 1, "Leave it None for round(1/q).")
-
-    @property
-    def expected_batch_size(self) -> float:
-        """q * N: the expected logical batch per optimizer step over all ranks and micro-batches."""
-        return self.sample_rate * self.num_samples
-
-    @property
-    def batch_size(self) -> int:
-        """Nominal per-rank micro-batch, max(1, round(q N / (W K))), for throughput logging only: real batches vary."""
-        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
 
     def __iter__(self) -> Iterator[list[int]]:
         gen = None if self.secure_mode else self._generator()

@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Subset
 
 from ._options import PrivacyUnit, check_number, check_option
-from .sampling import _check_int, _secure_uniform, _ShardedBatchSampler, private_dataloader
+from .sampling import _check_int, _PoissonSizes, _secure_uniform, _ShardedBatchSampler, private_dataloader
 
 
 def check_privacy_unit(privacy_unit: Any, max_examples_per_user: Any) -> tuple[str, Optional[int]]:
@@ -69,7 +69,7 @@ def user_codes(dataset: Any) -> np.ndarray:
     return np.array([codes.setdefault(u, len(codes)) for u in ids], dtype=np.int64)
 
 
-class UserPoissonBatchSampler(_ShardedBatchSampler):
+class UserPoissonBatchSampler(_PoissonSizes, _ShardedBatchSampler):
     """Poisson sampling over users for user-level DP, sharded over ranks by user.
 
     Args:
@@ -115,16 +115,6 @@ class UserPoissonBatchSampler(_ShardedBatchSampler):
         self._rows = np.split(order, np.cumsum(np.bincount(users, minlength=num_users))[:-1])  # rows of each user
         self.privacy_unit = {"unit": "user", "max_examples_per_user": self.k}
         self._units: collections.deque = collections.deque()
-
-    @property
-    def expected_batch_size(self) -> float:
-        """q·U: the expected number of users per optimizer step over all ranks."""
-        return self.sample_rate * self.num_samples
-
-    @property
-    def batch_size(self) -> int:
-        """Nominal users per micro-batch on a rank (throughput logging only)."""
-        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
 
     def pop_units(self) -> np.ndarray:
         """The user of each row of the oldest micro-batch yielded and not yet popped, numbered 0, 1, ... within it.
