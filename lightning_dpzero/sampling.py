@@ -39,6 +39,16 @@ def _secure_uniform(n: int) -> np.ndarray:
     return (raw >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
+def random_subset(n: int, size: int, gen: np.random.Generator | None) -> np.ndarray:
+    """``size`` of the positions ``0..n-1``, uniformly without replacement, sorted; from ``gen``, or from the OS
+    CSPRNG where ``gen`` is None (secure mode)."""
+    if gen is None:
+        keep = np.argsort(np.frombuffer(os.urandom(8 * n), dtype=np.uint64), kind="stable")[:size]
+    else:
+        keep = gen.choice(n, size=size, replace=False)
+    return np.sort(keep)
+
+
 class _ShardedBatchSampler(Sampler[list[int]]):
     """Shared plumbing: rank r owns indices r, r+W, r+2W, ... of one global dataset, or (``shard_sizes``) all
     ``shard_sizes[r]`` indices of its own dataset, a shard of the training set; epochs; (seed, epoch, rank)
@@ -177,11 +187,7 @@ class DistributedPoissonBatchSampler(_PoissonSizes, _ShardedBatchSampler):
             step = self.shard[uniforms < self.sample_rate]
             if cap is not None and len(step) > cap:
                 # a uniformly random K·b-subset, kept in order; np.array_split then gives each micro-batch <= b
-                if gen is None:
-                    keep = np.argsort(np.frombuffer(os.urandom(8 * len(step)), dtype=np.uint64), kind="stable")[:cap]
-                else:
-                    keep = gen.choice(len(step), size=cap, replace=False)
-                step = step[np.sort(keep)]
+                step = step[random_subset(len(step), cap, gen)]
             for chunk in np.array_split(step, k):
                 yield chunk.tolist()
 
@@ -394,8 +400,7 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
                        poisson: bool = True, steps_per_epoch: int | None = None,
                        shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None,
-                       batch_sizes: Sequence[int] | None = None,
-                       batch_sampler: _ShardedBatchSampler | None = None) -> DataLoader:
+                       batch_sizes: Sequence[int] | None = None) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
     `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
@@ -408,12 +413,10 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor, persistent_workers, pin_memory_device, in_order.
     The user's sampler, shuffle, batch_size and drop_last are replaced. The result's `batch_sampler` carries
-    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger. `batch_sampler`: use this one instead.
+    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger.
     """
     n = dataset_size(dataloader) if shard_sizes is None else sum(shard_sizes)
-    if batch_sampler is not None:  # built by the caller (user-level sampling: user_sampling.py)
-        pass
-    elif poisson:
+    if poisson:
         batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
             n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode,
             shard_sizes, max_micro_batch_size)
@@ -432,6 +435,12 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
                              f"accumulate_grad_batches / N = {batch_sampler.sample_rate}; pass "
                              "poisson_sample_rate(...) (shuffled_sample_rate(...) where the ranks' batch sizes "
                              "or shards differ) so the ledger records the q actually used.")
+    return loader_with_sampler(dataloader, batch_sampler)
+
+
+def loader_with_sampler(dataloader: DataLoader, batch_sampler: Sampler) -> DataLoader:
+    """``dataloader`` over the same dataset with ``batch_sampler``, everything else kept as
+    :func:`private_dataloader` lists (its collate made safe for an empty micro-batch)."""
     collate = dataloader.collate_fn
     if collate is default_convert:  # the user's loader had automatic batching off
         collate = default_collate

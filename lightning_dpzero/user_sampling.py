@@ -16,14 +16,14 @@ Users are sharded over ranks (rank r owns users r, r+W, ...), never split: a use
 from __future__ import annotations
 
 import collections
-import os
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 from torch.utils.data import DataLoader, Subset
 
 from ._options import PrivacyUnit, check_number, check_option
-from .sampling import _check_int, _PoissonSizes, _secure_uniform, _ShardedBatchSampler, private_dataloader
+from .sampling import (_check_int, _PoissonSizes, _secure_uniform, _ShardedBatchSampler, loader_with_sampler,
+                       random_subset)
 
 
 def check_privacy_unit(privacy_unit: Any, max_examples_per_user: Any) -> tuple[str, Optional[int]]:
@@ -142,12 +142,7 @@ class UserPoissonBatchSampler(_PoissonSizes, _ShardedBatchSampler):
     def _contribution(self, user: int, gen: Optional[np.random.Generator]) -> np.ndarray:
         """min(k, n_u) of the user's rows, uniformly without replacement, in index order."""
         rows = self._rows[user]
-        if len(rows) <= self.k:
-            return rows
-        if gen is None:
-            keys = np.frombuffer(os.urandom(8 * len(rows)), dtype=np.uint64)
-            return np.sort(rows[np.argsort(keys, kind="stable")[:self.k]])
-        return np.sort(gen.choice(rows, size=self.k, replace=False))
+        return rows if len(rows) <= self.k else rows[random_subset(len(rows), self.k, gen)]  # rows are in index order
 
 
 def user_level_loader(dataloader: DataLoader, collectives: Any, accumulate_grad_batches: int, *, pre_sharded: bool,
@@ -176,5 +171,4 @@ def user_level_loader(dataloader: DataLoader, collectives: Any, accumulate_grad_
     sampler = UserPoissonBatchSampler(users, q, max_examples_per_user, collectives.world_size,
                                       collectives.global_rank, accumulate_grad_batches, seed=seed,
                                       secure_mode=secure_mode)
-    return private_dataloader(dataloader, q, collectives.world_size, collectives.global_rank, accumulate_grad_batches,
-                              seed=seed, secure_mode=secure_mode, batch_sampler=sampler)
+    return loader_with_sampler(dataloader, sampler)
