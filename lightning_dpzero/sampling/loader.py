@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .collate import empty_safe_collate
@@ -113,8 +113,7 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
                        poisson: bool = True, steps_per_epoch: int | None = None,
                        shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None,
-                       batch_sizes: Sequence[int] | None = None,
-                       batch_sampler: _ShardedBatchSampler | None = None) -> DataLoader:
+                       batch_sizes: Sequence[int] | None = None) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
     `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
@@ -127,12 +126,10 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
     multiprocessing_context, generator, prefetch_factor, persistent_workers, pin_memory_device, in_order.
     The user's sampler, shuffle, batch_size and drop_last are replaced. The result's `batch_sampler` carries
-    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger. `batch_sampler`: use this one instead.
+    `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger.
     """
     n = dataset_size(dataloader) if shard_sizes is None else sum(shard_sizes)
-    if batch_sampler is not None:  # built by the caller (user-level sampling: users.py)
-        pass
-    elif poisson:
+    if poisson:
         batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
             n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode,
             shard_sizes, max_micro_batch_size)
@@ -151,6 +148,12 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
                              f"accumulate_grad_batches / N = {batch_sampler.sample_rate}; pass "
                              "poisson_sample_rate(...) (shuffled_sample_rate(...) where the ranks' batch sizes "
                              "or shards differ) so the ledger records the q actually used.")
+    return loader_with_sampler(dataloader, batch_sampler)
+
+
+def loader_with_sampler(dataloader: DataLoader, batch_sampler: Sampler) -> DataLoader:
+    """``dataloader`` over the same dataset with ``batch_sampler``, everything else kept as
+    :func:`private_dataloader` lists (its collate made safe for an empty micro-batch)."""
     collate = dataloader.collate_fn
     if collate is default_convert:  # the user's loader had automatic batching off
         collate = default_collate

@@ -35,6 +35,16 @@ def _secure_uniform(n: int) -> np.ndarray:
     return (raw >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
+def random_subset(n: int, size: int, gen: np.random.Generator | None) -> np.ndarray:
+    """``size`` of the positions ``0..n-1``, uniformly without replacement, sorted; from ``gen``, or from the OS
+    CSPRNG where ``gen`` is None (secure mode)."""
+    if gen is None:
+        keep = np.argsort(np.frombuffer(os.urandom(8 * n), dtype=np.uint64), kind="stable")[:size]
+    else:
+        keep = gen.choice(n, size=size, replace=False)
+    return np.sort(keep)
+
+
 class _ShardedBatchSampler(Sampler[list[int]]):
     """Shared plumbing: rank r owns indices r, r+W, r+2W, ... of one global dataset, or (``shard_sizes``) all
     ``shard_sizes[r]`` indices of its own dataset, a shard of the training set; epochs; (seed, epoch, rank)
@@ -92,7 +102,21 @@ class _ShardedBatchSampler(Sampler[list[int]]):
         return self.steps_per_epoch * self.accumulate_grad_batches
 
 
-class DistributedPoissonBatchSampler(_ShardedBatchSampler):
+class _PoissonSizes:
+    """The sizes of a Poisson sampler with ``sample_rate`` q over ``num_samples`` N (examples, or users)."""
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q * N: the expected logical batch per optimizer step over all ranks and micro-batches."""
+        return self.sample_rate * self.num_samples
+
+    @property
+    def batch_size(self) -> int:
+        """Nominal per-rank micro-batch, max(1, round(q N / (W K))), for throughput logging only: real batches vary."""
+        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
+
+
+class DistributedPoissonBatchSampler(_PoissonSizes, _ShardedBatchSampler):
     """Poisson subsampling (each example independently with probability q) for DP-SGD, sharded over ranks.
 
     Args:
@@ -150,16 +174,6 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
             steps_per_epoch = max(1, round(1.0 / self.sample_rate))
         self.steps_per_epoch = _check_int("steps_per_epoch", steps_per_epoch, 1, "Leave it None for round(1/q).")
 
-    @property
-    def expected_batch_size(self) -> float:
-        """q * N: the expected logical batch per optimizer step over all ranks and micro-batches."""
-        return self.sample_rate * self.num_samples
-
-    @property
-    def batch_size(self) -> int:
-        """Nominal per-rank micro-batch, max(1, round(q N / (W K))), for throughput logging only: real batches vary."""
-        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
-
     def __iter__(self) -> Iterator[list[int]]:
         gen = None if self.secure_mode else self._generator()
         n, k = len(self.shard), self.accumulate_grad_batches
@@ -169,11 +183,7 @@ class DistributedPoissonBatchSampler(_ShardedBatchSampler):
             step = self.shard[uniforms < self.sample_rate]
             if cap is not None and len(step) > cap:
                 # a uniformly random K·b-subset, kept in order; np.array_split then gives each micro-batch <= b
-                if gen is None:
-                    keep = np.argsort(np.frombuffer(os.urandom(8 * len(step)), dtype=np.uint64), kind="stable")[:cap]
-                else:
-                    keep = gen.choice(len(step), size=cap, replace=False)
-                step = step[np.sort(keep)]
+                step = step[random_subset(len(step), cap, gen)]
             for chunk in np.array_split(step, k):
                 yield chunk.tolist()
 

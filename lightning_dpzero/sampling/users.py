@@ -16,15 +16,14 @@ Users are sharded over ranks (rank r owns users r, r+W, ...), never split: a use
 from __future__ import annotations
 
 import collections
-import os
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 from torch.utils.data import DataLoader, Subset
 
 from ..util.options import PrivacyUnit, check_number, check_option
-from .samplers import _check_int, _secure_uniform, _ShardedBatchSampler
-from .loader import private_dataloader
+from .loader import loader_with_sampler
+from .samplers import _check_int, _PoissonSizes, _secure_uniform, _ShardedBatchSampler, random_subset
 
 
 def check_privacy_unit(privacy_unit: Any, max_examples_per_user: Any) -> tuple[str, Optional[int]]:
@@ -70,7 +69,7 @@ def user_codes(dataset: Any) -> np.ndarray:
     return np.array([codes.setdefault(u, len(codes)) for u in ids], dtype=np.int64)
 
 
-class UserPoissonBatchSampler(_ShardedBatchSampler):
+class UserPoissonBatchSampler(_PoissonSizes, _ShardedBatchSampler):
     """Poisson sampling over users for user-level DP, sharded over ranks by user.
 
     Args:
@@ -117,16 +116,6 @@ class UserPoissonBatchSampler(_ShardedBatchSampler):
         self.privacy_unit = {"unit": "user", "max_examples_per_user": self.k}
         self._units: collections.deque = collections.deque()
 
-    @property
-    def expected_batch_size(self) -> float:
-        """q·U: the expected number of users per optimizer step over all ranks."""
-        return self.sample_rate * self.num_samples
-
-    @property
-    def batch_size(self) -> int:
-        """Nominal users per micro-batch on a rank (throughput logging only)."""
-        return max(1, round(self.expected_batch_size / (self.num_replicas * self.accumulate_grad_batches)))
-
     def pop_units(self) -> np.ndarray:
         """The user of each row of the oldest micro-batch yielded and not yet popped, numbered 0, 1, ... within it.
 
@@ -153,12 +142,7 @@ class UserPoissonBatchSampler(_ShardedBatchSampler):
     def _contribution(self, user: int, gen: Optional[np.random.Generator]) -> np.ndarray:
         """min(k, n_u) of the user's rows, uniformly without replacement, in index order."""
         rows = self._rows[user]
-        if len(rows) <= self.k:
-            return rows
-        if gen is None:
-            keys = np.frombuffer(os.urandom(8 * len(rows)), dtype=np.uint64)
-            return np.sort(rows[np.argsort(keys, kind="stable")[:self.k]])
-        return np.sort(gen.choice(rows, size=self.k, replace=False))
+        return rows if len(rows) <= self.k else rows[random_subset(len(rows), self.k, gen)]  # rows are in index order
 
 
 def user_level_loader(dataloader: DataLoader, collectives: Any, accumulate_grad_batches: int, *, pre_sharded: bool,
@@ -187,5 +171,4 @@ def user_level_loader(dataloader: DataLoader, collectives: Any, accumulate_grad_
     sampler = UserPoissonBatchSampler(users, q, max_examples_per_user, collectives.world_size,
                                       collectives.global_rank, accumulate_grad_batches, seed=seed,
                                       secure_mode=secure_mode)
-    return private_dataloader(dataloader, q, collectives.world_size, collectives.global_rank, accumulate_grad_batches,
-                              seed=seed, secure_mode=secure_mode, batch_sampler=sampler)
+    return loader_with_sampler(dataloader, sampler)

@@ -272,3 +272,26 @@ def test_a_fabric_loop_clips_each_sampled_users_mean_gradient():
     for n, p in net.named_parameters():
         torch.testing.assert_close(p.detach().double(), init[n].double() - summed[n] / 4, rtol=0, atol=1e-6)
     assert strategy.ledger.privacy_unit == {"unit": "user", "max_examples_per_user": 2}
+
+
+def _trainer(tmp_path, steps, **strategy):
+    return L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=0.1, seed=3,
+                                                  **strategy),
+                     accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                     callbacks=[PrivacyAccountantCallback(delta=1e-5)])
+
+
+def test_a_trainer_checkpoint_resumes_the_user_level_ledger_and_refuses_example_level(tmp_path):
+    user = dict(privacy_unit="user", max_examples_per_user=2)
+    trainer = _trainer(tmp_path, 2, **user)
+    trainer.fit(Module(), DataLoader(Notes(), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    eps2 = trainer.strategy.ledger.epsilon()
+    resumed = _trainer(tmp_path, 4, **user)
+    resumed.fit(Module(), DataLoader(Notes(), batch_size=4), ckpt_path=tmp_path / "ckpt")
+    ledger = resumed.strategy.ledger
+    assert ledger.steps == 4 and ledger.run_id == trainer.strategy.ledger.run_id and ledger.epsilon() > eps2
+    assert ledger.privacy_unit == {"unit": "user", "max_examples_per_user": 2} and ledger.dataset_size == 10
+    with pytest.raises(ValueError, match="privacy unit"):
+        _trainer(tmp_path, 4).fit(Module(), DataLoader(Notes(), batch_size=4), ckpt_path=tmp_path / "ckpt")
