@@ -27,6 +27,7 @@ The accountant callback hands its settings over with :meth:`use_accounting` and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from typing import Any, Callable, Mapping, NamedTuple, Optional
@@ -40,6 +41,7 @@ from .accounting.step_counts import ChargedUpdates, StepCounts
 from .accounting import PrivacyLedger
 from .accounting.truncation import check_max_micro_batch_size
 from .noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
+from .banded_mf import CorrelatedNoise, check_banded_supported
 from .per_sample import PerSampleEngine
 from .accounting.plan import AccountingSettings, PrivacyPlan
 from .sampling.shards import describe_training_data, private_training_loader
@@ -84,9 +86,14 @@ class DPMechanism:
         max_micro_batch_size: b, the most examples one micro-batch may hold (None: unbounded): larger Poisson
             draws are truncated, at a cost in δ the plan and the ledger account (docs/privacy.md, *Bounded
             micro-batches*).
+        privacy_unit, max_examples_per_user: user-level DP (docs/how-to/user-level-dp.md).
+        noise_mechanism, bands: ``"dp-sgd"`` (default) or ``"banded-mf"`` with b bands: correlated noise over
+            cyclic Poisson sampling (:class:`~lightning_dpzero.banded_mf.CorrelatedNoise`,
+            docs/how-to/correlated-noise.md).
 
     Raises:
-        ValueError: σ negative or not finite; σ > 0 with C = inf; b not an integer >= 1.
+        ValueError: σ negative or not finite; σ > 0 with C = inf; b not an integer >= 1; what
+            :class:`~lightning_dpzero.banded_mf.CorrelatedNoise` refuses.
 
     Example:
         One private step in plain PyTorch (what the strategy does inside Lightning and DeepSpeed):
@@ -117,9 +124,14 @@ class DPMechanism:
     def __init__(self, noise_multiplier: Optional[float] = None, max_grad_norm: float = 1.0, *,
                  seed: Optional[int] = None, secure_mode: bool = False, poisson_sampling: bool = True,
                  max_micro_batch_size: Optional[int] = None, privacy_unit: str = "example",
-                 max_examples_per_user: Optional[int] = None) -> None:
+                 max_examples_per_user: Optional[int] = None, noise_mechanism: str = "dp-sgd",
+                 bands: Optional[int] = None) -> None:
         self.privacy_unit, self.max_examples_per_user = check_privacy_unit(privacy_unit, max_examples_per_user)
+        self.correlated = CorrelatedNoise(noise_mechanism, bands, poisson_sampling=poisson_sampling,
+                                          privacy_unit=self.privacy_unit, max_micro_batch_size=max_micro_batch_size)
+        self.noise_mechanism, self.bands = self.correlated.noise_mechanism, self.correlated.bands
         self._user_sampler = None  # privacy_unit="user": the training loader's sampler, which knows each row's user
+        self._loader_sampler = None  # BandMF: the cyclic sampler, which knows each micro-batch's step
         if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
             raise ValueError(f"noise_multiplier (σ) must be >= 0 and finite, got {noise_multiplier!r}.")
         if noise_multiplier and math.isinf(max_grad_norm):
@@ -188,7 +200,8 @@ class DPMechanism:
         """Register the noise as a step pre-hook on ``optimizer`` (docs/design.md, *Where each piece runs*:
         step). ``replicated``: every rank holds the whole gradient (ZeRO stage 0) and draws the same noise."""
         self._noise_target = (optimizer, replicated)
-        source = NoiseSource(self.seed, self.secure_mode, replicated=replicated, rank=self.collectives.global_rank)
+        source = self.correlated.wrap(NoiseSource(self.seed, self.secure_mode, replicated=replicated,
+                                                  rank=self.collectives.global_rank))
         self._noise_handle = optimizer.register_step_pre_hook(
             make_noise_pre_hook(self.noise_scales, source, self._mark_noise_applied, self._updates.check))
 
@@ -211,6 +224,14 @@ class DPMechanism:
         ``q = B·W·K/N`` (:func:`lightning_dpzero.sampling.shards.private_training_loader`, which lists what it raises)."""
         options = dict(pre_sharded=pre_sharded, poisson=self.poisson_sampling, seed=self.seed,
                        secure_mode=self.secure_mode, max_micro_batch_size=self.max_micro_batch_size)
+        self._loader_sampler = None
+        if self.correlated.cyclic:  # BandMF: the parts are fixed once per run (resumes keep the ledger's)
+            restored = None if self._restored is None else self._restored.noise_mechanism
+            self.correlated.fix_partition(restored, self._seeds.given, self.collectives.broadcast)
+            loader = private_training_loader(dataloader, self.collectives, accumulate_grad_batches, **options,
+                                             cyclic=self.correlated.sampler_options(self._charged_steps))
+            self._loader_sampler = loader.batch_sampler
+            return loader
         if self.privacy_unit == "user":  # Poisson sampling over users (sampling/users.py)
             data = describe_training_data(dataloader, self.collectives.world_size, pre_sharded)
             loader = user_level_loader(dataloader, self.collectives, accumulate_grad_batches, **options,
@@ -227,6 +248,10 @@ class DPMechanism:
             loader.batch_sampler, self.accounting, noise_multiplier=self.noise_multiplier,
             max_micro_batch_size=self.max_micro_batch_size, accumulate_grad_batches=accumulate_grad_batches,
             micro_batches_per_epoch=micro_batches_per_epoch, max_steps=max_steps, max_epochs=max_epochs)
+        if self.correlated.banded:
+            check_banded_supported(self.bands, max(micro_batches_per_epoch // accumulate_grad_batches, 1),
+                                   self.poisson_sampling)
+            plan = dataclasses.replace(plan, noise_mechanism=self.correlated.record())
         self.use_plan(plan)
         return plan
 
@@ -241,6 +266,7 @@ class DPMechanism:
                     f"The checkpoint's privacy ledger is for privacy unit {unit_text(restored.privacy_unit)}; this "
                     f"run's is {unit_text(plan.privacy_unit)}. Resume with the strategy's privacy_unit and "
                     "max_examples_per_user as the run was started with (its ε is in those units).")
+            self.correlated.check_restored(restored.noise_mechanism)
             if restored.dataset_size != plan.dataset_size or restored.delta != plan.delta:
                 raise ValueError(
                     f"The checkpoint's privacy ledger is for N={restored.dataset_size}, δ={restored.delta}; this "
@@ -251,7 +277,7 @@ class DPMechanism:
             run_id = self.collectives.broadcast(secrets.token_hex(16))
             self.ledger = PrivacyLedger(delta=plan.delta, dataset_size=plan.dataset_size,
                                         accountant=plan.accountant, run_id=run_id, shard_sizes=plan.shard_sizes,
-                                        privacy_unit=plan.privacy_unit)
+                                        privacy_unit=plan.privacy_unit, noise_mechanism=plan.noise_mechanism)
 
     # ------------------------------------------------------------------------------------------ resume
     def restore_ledger(self, ledger: PrivacyLedger) -> None:
@@ -264,16 +290,19 @@ class DPMechanism:
             raise ValueError("The callback's ledger and the checkpoint's ledger disagree; refusing to resume.")
         self._restored = ledger
 
-    def resume(self, ledger: PrivacyLedger) -> None:
+    def resume(self, ledger: PrivacyLedger, noise_state: Optional[dict] = None) -> None:
         """A checkpoint with ``ledger`` was loaded: continue it, with fresh noise and sampling streams.
 
         With an explicit seed, a resumed process would restart the noise stream at its first draw, so the steps
         after the checkpoint would reuse the noise of the run's first steps: the difference of two released
         updates would then cancel the noise exactly. A new seed is derived from the seed and the ledger's
         position (deterministic, the same on every rank) for the noise and for the sampler built after this.
-        Without one, a fresh seed is drawn. A later load (a rollback) replaces the ledger restored before."""
+        Without one, a fresh seed is drawn. A later load (a rollback) replaces the ledger restored before.
+        ``noise_state``: this rank's BandMF noise history from the checkpoint (:meth:`noise_state`), which the
+        noise continues (fresh draws, the same correlation)."""
         self._restored = None  # a new load: its ledger, not an earlier load's, is the one the others must match
         self.restore_ledger(ledger)
+        self.correlated.load(noise_state, ledger.steps, self.collectives.global_rank)
         if self.secure_mode or self._noise_handle is None:  # secure: no seed to reuse; not fitting: no hook
             return
         self._renew_seed()  # (a rollback must not restart this fit's streams either)
@@ -281,6 +310,13 @@ class DPMechanism:
         self._noise_handle.remove()
         optimizer, replicated = self._noise_target
         self.install_noise(optimizer, replicated=replicated)
+
+    def noise_state(self) -> Optional[dict]:
+        """This rank's noise state for a checkpoint: BandMF's history of its partition (None for DP-SGD)."""
+        return self.correlated.state_dict()
+
+    def _charged_steps(self) -> int:
+        return self.ledger.steps if self.ledger is not None else 0
 
     def _renew_seed(self) -> None:
         many = self.collectives.world_size > 1
@@ -322,6 +358,7 @@ class DPMechanism:
 
         Raises:
             RuntimeError: the micro-batch is not the size the sampler drew (a batch it did not draw)."""
+        self.correlated.note_micro_batch(self._loader_sampler)  # BandMF: the step its part was drawn for
         if self._user_sampler is None:
             return None
         units = self._user_sampler.pop_units()
@@ -410,7 +447,9 @@ class DPMechanism:
         self._counts.begin(self.ledger.steps if self.ledger is not None else 0, counts)
 
     def charge(self) -> None:
-        """Charge one step (q, σ, sampler, micro-batch bound) of the plan to the ledger."""
+        """Charge one step (q, σ, sampler, micro-batch bound) of the plan to the ledger (BandMF: after checking
+        that the step's micro-batches came from its part)."""
+        self.correlated.check_step(self.ledger.steps)
         self.ledger.charge(self.plan.sample_rate, self.plan.noise_multiplier, self.plan.sampler_kind,
                            bound=self.plan.micro_batch_bound)
 
@@ -439,6 +478,9 @@ class DPMechanism:
             out = step(charged_closure)
         finally:
             self._updates.close()
+        if boundary and self.correlated.cyclic and not step_applied():
+            raise RuntimeError("noise_mechanism='banded-mf': an optimizer step was charged but skipped, which leaves "
+                               "the correlated noise behind the cyclic parts; refusing to continue.")
         if boundary and step_applied() and not self._noise_applied:
             raise RuntimeError("An optimizer step was applied without the DP noise hook running; refusing to "
                                "continue with a non-private update.")

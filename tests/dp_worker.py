@@ -189,6 +189,19 @@ class PeakGathered(L.Callback):
         Coord.fetch_sub_module = self._fetch
 
 
+class EveryStep(L.Callback):
+    """The parameters before the first step and after each one (``case["record_steps"]``)."""
+
+    def __init__(self, stage):
+        self.stage, self.params = stage, []
+
+    def on_train_start(self, trainer, module):
+        self.params.append(gathered_params(module, self.stage))
+
+    def on_train_batch_end(self, trainer, module, *args):
+        self.params.append(gathered_params(module, self.stage))
+
+
 def gathered_params(model, stage):
     params = list(model.parameters())
     if stage == 3:
@@ -224,6 +237,8 @@ def run_case(case, out_dir, devices):
         callbacks.append(CountBarriers(os.path.join(out_dir, f"{case['name']}.barriers{rank}.json")))
     if case.get("count_gathered"):
         callbacks.append(PeakGathered())
+    if case.get("record_steps"):  # the whole parameters after every optimizer step (gathered on ZeRO-3)
+        callbacks.append(EveryStep(case["stage"]))
     strategy = DPDeepSpeedStrategy(
         stage=case["stage"], noise_multiplier=case["sigma"], max_grad_norm=float(case["C"]),
         clipping=case["clipping"], clipping_fn=case["clipping_fn"], poisson_sampling=case["poisson"],
@@ -270,6 +285,7 @@ def run_case(case, out_dir, devices):
                     "deepspeed_skipped_steps": int(getattr(strategy.deepspeed_engine, "skipped_steps", 0)),
                     "zero3_whole_params": sum(bool(getattr(p, "ds_persist", False)) for p in module.parameters()),
                     "peak_gathered_in_backward": next((c.peak for c in callbacks if isinstance(c, PeakGathered)), None),
+                    "steps": next((c.params for c in callbacks if isinstance(c, EveryStep)), None),
                     "param_numel": sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters()),
                     "epsilon": float(callbacks[0].epsilon()),
                     "train_loss_epoch": float(trainer.callback_metrics.get("train_loss_epoch", float("nan")))},

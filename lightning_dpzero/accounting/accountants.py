@@ -34,6 +34,7 @@ import dp_accounting
 
 from ..util.options import Accountant
 from . import pld as _pld
+from .banded import equivalent_run
 from .rdp import rdp_epsilon
 from .truncation import epsilon_with_truncation, step_probability, truncation_share
 
@@ -72,7 +73,8 @@ def make_accountant(name: str = "pld", value_discretization_interval: float = 1e
 
 def _as_runs(entries: Iterable) -> tuple:
     """Validated ``(q, sigma, steps)`` tuples from objects with ``sample_rate``, ``noise_multiplier``
-    and ``steps`` attributes (e.g. ``LedgerEntry``); runs with zero steps are dropped."""
+    and ``steps`` attributes (e.g. ``LedgerEntry``); runs with zero steps are dropped. An entry whose ``sampler``
+    is ``"cyclic-poisson:b"`` (banded matrix factorization) gives :func:`.banded.equivalent_run`'s run."""
     runs = []
     for e in entries:
         q, s, n = float(e.sample_rate), float(e.noise_multiplier), int(e.steps)
@@ -82,8 +84,8 @@ def _as_runs(entries: Iterable) -> tuple:
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {s!r}.")
         if n < 0:
             raise ValueError(f"steps must be >= 0, got {n!r}.")
-        if n:
-            runs.append((q, s, n))
+        if n:  # correlated noise (sampler "cyclic-poisson:b"): its equivalent Poisson composition (banded.py)
+            runs.append(equivalent_run(q, s, n, getattr(e, "sampler", "poisson")))
     return tuple(runs)
 
 

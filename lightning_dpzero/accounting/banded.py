@@ -2,20 +2,76 @@
 
 With cyclic Poisson sampling over b parts and a b-banded ``C`` of unit column norms, ``T`` BandMF steps at
 per-step rate ``q`` (expected batch / N) are ``⌈T / b⌉`` Poisson-subsampled Gaussian mechanisms at the part's
-rate ``q_b = b · q`` with noise multiplier σ (Choquette-Choo et al., NeurIPS 2023, Theorem 4). Everything the
-package accounts with ``(q, σ, steps)`` (the ledger's epsilon, :func:`.calibration.calibrate_noise_multiplier`,
-the planner, the budget stop) is therefore used unchanged on the equivalent event :func:`banded_event`.
-Splitting a run into several entries (resumes) rounds each up: a valid, slightly conservative bound.
+rate ``q_b = b · q`` with noise multiplier σ (Choquette-Choo et al., NeurIPS 2023, Theorem 4).
+
+The ledger records such steps with the sampler ``"cyclic-poisson:b"`` (:func:`cyclic_sampler_kind`) and the
+per-step q; every ε the package computes goes through :func:`equivalent_run`, which turns a run of them into
+its equivalent ``(q_b, σ, ⌈T / b⌉)`` (``accountants._as_runs``, the budget guard, calibration, the plan), so
+the ledger's ε, the planner, calibration and the budget stop need nothing else. A run split into several
+entries (resumes) rounds each up: ``Σ ⌈T_i / b⌉ >= ⌈Σ T_i / b⌉``, a valid, slightly conservative bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+import re
+from typing import Iterable, Optional
 
-from ..banded_mf import banded_accounting_steps, banded_coefficients, coefficients_digest
+__all__ = ["CYCLIC_PREFIX", "cyclic_sampler_kind", "bands_of", "sampler_text", "equivalent_run", "BandedEvent", "banded_event",
+           "banded_entries"]
 
-__all__ = ["BandedEvent", "banded_event", "banded_entries", "banded_ledger_fields"]
+CYCLIC_PREFIX = "cyclic-poisson"
+_CYCLIC = re.compile(r"^cyclic-poisson:([1-9][0-9]*)$")
+
+
+def cyclic_sampler_kind(bands: int) -> str:
+    """The ledger's sampler of cyclic Poisson sampling over ``bands`` parts: ``"cyclic-poisson:<b>"``.
+
+    Example:
+        >>> cyclic_sampler_kind(4), bands_of("cyclic-poisson:4"), bands_of("poisson")
+        ('cyclic-poisson:4', 4, None)
+    """
+    return f"{CYCLIC_PREFIX}:{int(bands)}"
+
+
+def bands_of(sampler: str) -> Optional[int]:
+    """b of a ``"cyclic-poisson:<b>"`` sampler; None for any other sampler."""
+    found = _CYCLIC.match(str(sampler))
+    return int(found.group(1)) if found else None
+
+
+def sampler_text(sampler: str) -> str:
+    """A ledger sampler in words, for the run's summary lines.
+
+    Example:
+        >>> sampler_text("poisson"), sampler_text("cyclic-poisson:4")
+        ('Poisson', 'cyclic Poisson over 4 parts, banded-MF noise')
+    """
+    b = bands_of(sampler)
+    if b is not None:
+        return f"cyclic Poisson over {b} parts, banded-MF noise"
+    return "Poisson" if sampler == "poisson" else "shuffled batches"
+
+
+def equivalent_run(sample_rate: float, noise_multiplier: float, steps: int, sampler: str = "poisson"
+                   ) -> tuple[float, float, int]:
+    """``(q, σ, steps)`` as the Poisson-subsampled Gaussian composition the accountant composes: unchanged for
+    ``"poisson"`` and ``"shuffle"``, ``(b·q, σ, ⌈steps / b⌉)`` for ``"cyclic-poisson:<b>"``.
+
+    Raises ValueError when ``b · q > 1`` (a part smaller than one expected batch).
+
+    Example:
+        >>> equivalent_run(0.01, 1.0, 1000, "cyclic-poisson:4"), equivalent_run(0.01, 1.0, 7, "poisson")
+        ((0.04, 1.0, 250), (0.01, 1.0, 7))
+    """
+    b = bands_of(sampler)
+    if b is None:
+        return float(sample_rate), float(noise_multiplier), int(steps)
+    q_b = b * float(sample_rate)
+    if q_b > 1 + 1e-12:
+        raise ValueError(f"q_b = bands · q = {b} · {sample_rate:g} > 1: each of the b parts holds fewer examples "
+                         "than one expected batch. Use fewer bands or a smaller batch.")
+    return min(q_b, 1.0), float(noise_multiplier), -(-int(steps) // b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,26 +87,17 @@ class BandedEvent:
 def banded_event(sample_rate: float, noise_multiplier: float, steps: int, bands: int) -> BandedEvent:
     """The accounting event of ``steps`` BandMF steps with b = ``bands`` at per-step rate q = ``sample_rate``.
 
-    Raises ValueError when ``b · q > 1`` (a part smaller than one expected batch) or b < 1.
+    Raises ValueError when ``b · q > 1`` or b < 1.
 
     Example:
         >>> banded_event(0.01, 1.0, 1000, 4)
         BandedEvent(sample_rate=0.04, noise_multiplier=1.0, steps=250)
     """
-    banded_coefficients(bands)
-    q_b = int(bands) * float(sample_rate)
-    if q_b > 1:
-        raise ValueError(f"q_b = bands · q = {bands} · {sample_rate:g} > 1: each of the b parts holds fewer "
-                         "examples than one expected batch. Use fewer bands or a smaller batch.")
-    return BandedEvent(q_b, float(noise_multiplier), banded_accounting_steps(steps, bands))
+    if isinstance(bands, bool) or int(bands) != bands or bands < 1:
+        raise ValueError(f"bands={bands!r} must be an integer >= 1.")
+    return BandedEvent(*equivalent_run(sample_rate, noise_multiplier, steps, cyclic_sampler_kind(bands)))
 
 
 def banded_entries(entries: Iterable, bands: int) -> tuple[BandedEvent, ...]:
-    """Ledger entries (``sample_rate`` q, ``noise_multiplier``, ``steps``) of a BandMF run as their equivalent
-    events, for :func:`.accountants.compute_epsilon`."""
+    """Entries (``sample_rate`` q, ``noise_multiplier``, ``steps``) of a BandMF run as their equivalent events."""
     return tuple(banded_event(e.sample_rate, e.noise_multiplier, e.steps, bands) for e in entries if int(e.steps))
-
-
-def banded_ledger_fields(bands: int) -> dict:
-    """What the ledger records about the mechanism: ``noise_mechanism``, ``bands`` and the coefficients' digest."""
-    return {"noise_mechanism": "banded-mf", "bands": int(bands), "coefficients_digest": coefficients_digest(bands)}

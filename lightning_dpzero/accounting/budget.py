@@ -23,6 +23,7 @@ from typing import Optional
 
 from .accountants import (EpsilonTracker, _as_runs, _check_accountant, _check_delta, _epsilon_of_runs,
                           truncation_probability)
+from .banded import equivalent_run
 from .ledger import LedgerEntry
 from .truncation import MicroBatchBound, step_probability
 
@@ -75,9 +76,9 @@ class BudgetGuard:
         return tuple(entries), 1
 
     def _exact(self, key, n: int) -> float:
-        prefix, q, sigma, delta, accountant, p_prefix, tail = key
+        prefix, q, sigma, delta, accountant, p_prefix, tail, sampler = key
         self.exact_evaluations += 1
-        runs = prefix + ((q, sigma, n),) if n > 0 else prefix
+        runs = prefix + (equivalent_run(q, sigma, n, sampler),) if n > 0 else prefix
         return _epsilon_of_runs(runs, delta, accountant, p_prefix + n * tail)
 
     def _bound(self, entries: tuple, q: float, sigma: float, sampler: str, bound, n: int, delta: float,
@@ -121,7 +122,8 @@ class BudgetGuard:
         if sigma == 0.0 or any(s == 0.0 for _, s, _ in prefix):
             return None, n_next, entries
         tail = step_probability(bound, q)
-        return (prefix, q, sigma, delta, accountant, truncation_probability(entries), tail), n_next, entries
+        return ((prefix, q, sigma, delta, accountant, truncation_probability(entries), tail, sampler), n_next,
+                entries)
 
     # ------------------------------------------------------------------------------------------ API
     def allows_next_step(self, ledger, sample_rate: float, noise_multiplier: float,
@@ -130,7 +132,7 @@ class BudgetGuard:
         key, n_next, entries = self._key(ledger, sample_rate, noise_multiplier, sampler, bound)
         if key is None:
             return False  # epsilon is infinite
-        _, q, sigma, delta, accountant, _, _ = key
+        _, q, sigma, delta, accountant, _, _, _ = key
         limit = self._limits.get(key)
         if limit is not None:
             return n_next <= limit
@@ -152,7 +154,7 @@ class BudgetGuard:
         key, n_next, entries = self._key(ledger, sample_rate, noise_multiplier, sampler, bound)
         if key is None:
             return 0
-        _, q, sigma, delta, accountant, _, _ = key
+        _, q, sigma, delta, accountant, _, _, _ = key
         limit = self._limits.get(key)
         if limit is None:
             # grow a bracket on the tracker grid until its (grid-point) value is over the target
@@ -170,14 +172,15 @@ class BudgetGuard:
         once that count is known (epsilon is non-decreasing in steps). This is what gets logged, so a run
         stopped by the budget never shows an epsilon above its target."""
         delta, accountant = _check_delta(ledger.delta), _check_accountant(ledger.accountant)
-        runs = _as_runs(ledger.entries)
-        if not runs:
+        entries = [e for e in ledger.entries if int(e.steps)]
+        if not entries:
             return 0.0
         found = self.tracker.epsilon(ledger)
-        q, sigma, n = runs[-1]
-        last = ledger.entries[-1]
+        last = entries[-1]  # the growing run, in charged steps as the limits count them (not its equivalent run)
+        q, sigma, n = float(last.sample_rate), float(last.noise_multiplier), int(last.steps)
         tail = step_probability(getattr(last, "micro_batch_bound", None), q)
-        key = (runs[:-1], q, sigma, delta, accountant, truncation_probability(ledger.entries[:-1]), tail)
+        key = (_as_runs(entries[:-1]), q, sigma, delta, accountant, truncation_probability(entries[:-1]), tail,
+               getattr(last, "sampler", "poisson"))
         limit = self._limits.get(key)
         if limit is not None and n <= limit:
             return min(found, self._limit_eps[key])

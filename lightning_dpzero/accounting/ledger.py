@@ -25,6 +25,7 @@ from typing import Optional
 
 from ..util.atomic import atomic_write_text
 from .accountants import EpsilonBound, _check_accountant, _check_delta, epsilon_bound
+from .banded import bands_of
 from .truncation import MicroBatchBound, bound_fields
 
 SAMPLERS = ("poisson", "shuffle")
@@ -49,7 +50,9 @@ class LedgerEntry:
             Poisson: a common approximation, recorded so that it stays visible).
         noise_multiplier: sigma >= 0, noise std divided by the total clipping norm.
         steps: number of optimizer steps in this run, >= 1.
-        sampler: ``"poisson"`` or ``"shuffle"``.
+        sampler: ``"poisson"``, ``"shuffle"``, or ``"cyclic-poisson:<b>"`` (correlated noise, banded matrix
+            factorization over b parts: q is the per-step rate over the whole set, and the accountant composes
+            ``⌈steps/b⌉`` rounds at ``b·q``; :mod:`~lightning_dpzero.accounting.banded`).
         max_micro_batch_size, accumulate_grad_batches, rank_sizes: bounded micro-batches (b, K and the examples
             of each rank): a step sample above K·b on a rank was truncated to K·b, which the accounting charges
             in δ (docs/privacy.md, *Bounded micro-batches*). All None (the default) without a bound; None fields
@@ -104,8 +107,8 @@ def _validate(sample_rate, noise_multiplier, sampler, steps):
     s = float(noise_multiplier)
     if not (s >= 0.0 and math.isfinite(s)):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS!r}, got {sampler!r}.")
+    if sampler not in SAMPLERS and bands_of(sampler) is None:
+        raise ValueError(f"sampler must be one of {SAMPLERS!r} or 'cyclic-poisson:<bands>', got {sampler!r}.")
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
 
@@ -138,6 +141,9 @@ class PrivacyLedger:
             A ledger without it (older ones included) hashes exactly as before.
         privacy_unit: user-level DP, ``{"unit": "user", "max_examples_per_user": k}`` (hashed with the metadata;
             ``dataset_size`` then counts users and ε is per user); ``None`` (default): example-level.
+        noise_mechanism: correlated noise (banded matrix factorization), ``{"mechanism": "banded-mf", "bands": b,
+            "coefficients_digest": ..., "partition_seed": s}`` (hashed with the metadata; a resume with another
+            mechanism, b or partition is refused); ``None`` (default): DP-SGD's independent noise.
 
     Attributes ``entries`` (list of :class:`LedgerEntry`), ``delta``, ``dataset_size``, ``shard_sizes``,
     ``accountant``, ``run_id`` and ``versions`` (installed versions of lightning_dpzero, torch,
@@ -156,7 +162,7 @@ class PrivacyLedger:
 
     def __init__(self, delta: float, dataset_size: int, accountant: str = "pld",
                  run_id: str | None = None, shard_sizes: list[int] | tuple[int, ...] | None = None,
-                 privacy_unit: dict | None = None):
+                 privacy_unit: dict | None = None, noise_mechanism: dict | None = None):
         self.delta = _check_delta(delta)
         if isinstance(dataset_size, bool) or int(dataset_size) != dataset_size or dataset_size < 1:
             raise ValueError(f"dataset_size must be an integer >= 1, got {dataset_size!r}.")
@@ -171,6 +177,8 @@ class PrivacyLedger:
         self.privacy_unit = None if privacy_unit is None else {"unit": str(privacy_unit["unit"]),
                                                                "max_examples_per_user":
                                                                    int(privacy_unit["max_examples_per_user"])}
+        # correlated noise: {"mechanism": "banded-mf", "bands": b, "coefficients_digest", "partition_seed"} (hashed)
+        self.noise_mechanism = None if noise_mechanism is None else dict(noise_mechanism)
         self.accountant = _check_accountant(accountant)
         self.run_id = uuid.uuid4().hex if run_id is None else str(run_id)
         self.versions = _library_versions()
@@ -185,6 +193,8 @@ class PrivacyLedger:
             meta["shard_sizes"] = list(self.shard_sizes)
         if self.privacy_unit is not None:  # likewise: example-level ledgers hash as before
             meta["privacy_unit"] = dict(self.privacy_unit)
+        if self.noise_mechanism is not None:  # likewise: DP-SGD ledgers hash as before
+            meta["noise_mechanism"] = dict(self.noise_mechanism)
         return meta
 
     def _genesis(self) -> str:
@@ -290,7 +300,7 @@ class PrivacyLedger:
             if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"not a version-{FORMAT_VERSION} {FORMAT} document")
             led = cls(d["delta"], d["dataset_size"], d["accountant"], d["run_id"], d.get("shard_sizes"),
-                      d.get("privacy_unit"))
+                      d.get("privacy_unit"), d.get("noise_mechanism"))
             led.versions = dict(d.get("versions", {}))
             for item in d["entries"]:
                 led.entries.append(LedgerEntry(item["sample_rate"], item["noise_multiplier"],

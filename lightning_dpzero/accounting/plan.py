@@ -21,6 +21,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 from ..util.options import Accountant, Sampler, check_number, check_option
 from . import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
 from .accountants import _check_delta
+from .banded import equivalent_run
 from .truncation import (MAX_SHARE, MicroBatchBound, smallest_micro_batch_bound, step_probability,
                                    truncation_share)
 
@@ -102,6 +103,9 @@ class PrivacyPlan:
     truncation_delta: Optional[float] = None
     privacy_unit: Optional[dict] = None
     """User-level DP: ``{"unit": "user", "max_examples_per_user": k}``, N and q then count users; None: examples."""
+    noise_mechanism: Optional[dict] = None
+    """Correlated noise (banded matrix factorization): the ledger's record of it (``PrivacyLedger``'s
+    ``noise_mechanism``); None: DP-SGD."""
 
     @property
     def truncation_probability(self) -> float:
@@ -139,7 +143,8 @@ class PrivacyPlan:
         Args:
             dataset_size: N.
             sample_rate: q.
-            sampler_kind: ``"poisson"`` or ``"shuffle"`` (the sampler the loader really uses).
+            sampler_kind: ``"poisson"``, ``"shuffle"`` or ``"cyclic-poisson:<b>"`` (the sampler the loader really
+                uses; the last is accounted as its equivalent rounds, :func:`.banded.equivalent_run`).
             accumulate_grad_batches: K, micro-batches per optimizer step.
             micro_batches_per_epoch: micro-batches one epoch runs (after any limit on the training batches).
             max_steps: the run's optimizer steps if bounded by steps (None or <= 0: not).
@@ -165,6 +170,9 @@ class PrivacyPlan:
         elif max_epochs is not None and max_epochs > 0:
             planned = max_epochs * steps_per_epoch
         sigma = noise_multiplier
+        # what the accountant composes: the steps themselves, or a cyclic sampler's rounds (correlated noise)
+        q_acc, _, planned_acc = equivalent_run(q, 0.0, planned or 0, sampler_kind)
+        planned_acc = planned_acc if planned else planned
         p = _planned_truncation(micro_batch_bound, q, planned)
         if p > 0.0 and target_epsilon is not None:
             check_truncation(micro_batch_bound, q, planned, delta, target_epsilon, p)
@@ -174,12 +182,13 @@ class PrivacyPlan:
                                  "or Trainer(max_epochs=...), or pass an explicit noise_multiplier (training then "
                                  "stops when the budget is spent).")
             if sigma is None:
-                sigma = calibrate_noise_multiplier(target_epsilon, delta, q, planned, accountant, truncation=p)
+                sigma = calibrate_noise_multiplier(target_epsilon, delta, q_acc, planned_acc, accountant,
+                                                   truncation=p)
             elif planned is not None:
-                eps = epsilon_for(sigma, delta, q, planned, accountant, truncation=p)
+                eps = epsilon_for(sigma, delta, q_acc, planned_acc, accountant, truncation=p)
                 if eps > target_epsilon:
                     raise ValueError(_over_budget(sigma, eps, target_epsilon, delta, q, planned, accountant,
-                                                  micro_batch_bound))
+                                                  micro_batch_bound, sampler_kind))
         if sigma is None:
             raise ValueError("No noise multiplier: pass DPDeepSpeedStrategy(noise_multiplier=σ) or add "
                              "PrivacyAccountantCallback(target_epsilon=..., delta=...) to calibrate σ.")
@@ -264,17 +273,18 @@ def limited_micro_batches(micro_batches: int, limit_train_batches) -> int:
 
 
 def _over_budget(sigma: float, eps: float, target: float, delta: float, q: float, planned: int, accountant: str,
-                 bound: Optional[MicroBatchBound]) -> str:
+                 bound: Optional[MicroBatchBound], sampler: str = "poisson") -> str:
     """The refusal of an explicit σ whose ε over the planned steps exceeds the target: how many steps fit, or,
     where not even one does, what one step costs and the settings that make room."""
     head = (f"noise_multiplier={sigma} gives ε={eps:.3g} > target_epsilon={target} after the planned {planned} "
             f"steps (q={q:.4g}, δ={delta}); ")
-    fits = _steps_within(target, delta, q, sigma, accountant, bound)
+    fits = _steps_within(target, delta, q, sigma, accountant, bound, sampler)
     if fits > 0:
         return (head + f"only {fits} steps fit in the budget. Remove noise_multiplier to calibrate it, raise it, or "
                 f"train at most {fits} steps (Trainer(max_steps={fits})).")
     if sigma > 0:
-        one = epsilon_for(sigma, delta, q, 1, accountant, truncation=_planned_truncation(bound, q, 1))
+        q_one = equivalent_run(q, sigma, 1, sampler)[0]
+        one = epsilon_for(sigma, delta, q_one, 1, accountant, truncation=_planned_truncation(bound, q, 1))
         cost = f"a single step already costs ε={one:.3g}"
     else:
         cost = "without noise every step costs ε=∞"
@@ -284,8 +294,9 @@ def _over_budget(sigma: float, eps: float, target: float, delta: float, q: float
 
 
 def _steps_within(target: float, delta: float, q: float, sigma: float, accountant: str,
-                  bound: Optional[MicroBatchBound] = None) -> int:
-    """Steps (q, σ) that fit in ε ≤ target (for messages)."""
+                  bound: Optional[MicroBatchBound] = None, sampler: str = "poisson") -> int:
+    """Steps (q, σ) with ``sampler`` that fit in ε ≤ target (for messages)."""
     if sigma == 0:
         return 0
-    return BudgetGuard(target).steps_within_budget(PrivacyLedger(delta, 1, accountant), q, sigma, bound=bound)
+    return BudgetGuard(target).steps_within_budget(PrivacyLedger(delta, 1, accountant), q, sigma, sampler,
+                                                   bound=bound)

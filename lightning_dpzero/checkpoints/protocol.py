@@ -22,7 +22,8 @@ from ..util.collectives import Collectives, gather_dicts, gather_lists
 from ..accounting import PrivacyLedger
 from .commit import (CheckpointIntegrityError, check_commit_matches, checkpoint_files, file_digest, file_problems,
                      raise_file_problems, write_commit)
-from .format import COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY
+from .format import (COMMIT_FILE, COMMIT_FORMAT, COMMIT_FORMAT_VERSION, INCOMPLETE_FILE, LEDGER_FILE, LEDGER_KEY,
+                     NOISE_STATE_FILE)
 from .safe_load import raise_escaping_paths
 from .verify import check_ledgers, check_steps_cover, check_world_size, raise_unsafe, require_commit, scan_problems
 
@@ -56,13 +57,14 @@ class CheckpointProtocol:
         self.dist = collectives
 
     def save(self, checkpoint: dict, filepath, ledger: Optional[PrivacyLedger],
-             write_shards: Callable[[dict, Any], None], zero_stage: int) -> None:
+             write_shards: Callable[[dict, Any], None], zero_stage: int, noise_state: Optional[dict] = None) -> None:
         """DeepSpeed's checkpoint, the ledger twice, then the commit marker, in this order on disk:
 
         1. rank 0 marks the directory incomplete and removes any old ``privacy_commit.json`` (so an old marker can
            never vouch for shards overwritten in place), barrier;
         2. every rank writes its ZeRO shards with ``write_shards(checkpoint, filepath)`` (the ledger rides in the
-           client state, key ``privacy_ledger``);
+           client state, key ``privacy_ledger``), and its ``noise_state`` (correlated noise: the history of its
+           partition; any rank's may be None), ``privacy_noise_rank<r>.pt``;
         3. rank 0 writes ``privacy_ledger.json`` atomically, barrier;
         4. the ranks hash every file of the directory (split between them), rank 0 writes ``privacy_commit.json``
            atomically (ledger run id, head hash and steps, ``global_step``, sizes and SHA-256 of the files) and
@@ -84,6 +86,10 @@ class CheckpointProtocol:
         if ledger is not None:
             checkpoint[LEDGER_KEY] = ledger.to_dict()
         write_shards(checkpoint, filepath)
+        if noise_state is not None:
+            import torch
+
+            torch.save(noise_state, directory / NOISE_STATE_FILE.format(rank=dist.global_rank))
         if ledger is not None and dist.is_global_zero:
             ledger.save(directory / LEDGER_FILE)
         dist.barrier("dp_ledger_saved")
@@ -177,6 +183,16 @@ class CheckpointProtocol:
         names = dist.broadcast(sorted(n for n in checkpoint_files(directory) if n.endswith(".pt"))
                                if dist.is_global_zero else None)
         raise_unsafe(directory, gather_lists(scan_problems(directory, self._share(names)), dist.world_size))
+
+    def noise_state(self, checkpoint_path) -> Optional[dict]:
+        """This rank's noise state in a verified checkpoint (``torch.load(weights_only=True)``), None if it has
+        none."""
+        path = Path(checkpoint_path) / NOISE_STATE_FILE.format(rank=self.dist.global_rank)
+        if not path.is_file():
+            return None
+        import torch
+
+        return torch.load(path, map_location="cpu", weights_only=True)
 
     @staticmethod
     def loaded_ledger(checkpoint_path, checkpoint: dict, commit: Optional[dict]) -> PrivacyLedger:

@@ -37,7 +37,7 @@ from ..accounting.background import check_accounting_worker
 from ..deepspeed.reduction import deferred_writes_reduced
 from ..lightning.strategy_names import register_names
 from ..util.options import (Accountant, AccountingWorker, Clipping, ClippingFn, ClippingMode, LayoutCheck,
-                            LossReduction, PrivacyUnit, check_loop_bounds, check_option)
+                            LossReduction, NoiseMechanism, PrivacyUnit, check_loop_bounds, check_option)
 from ..checkpoints import CheckpointProtocol
 from ..checkpoints.format import LEDGER_KEY
 from ..per_sample.layout import reindex_batch
@@ -55,8 +55,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
     the DP settings of :class:`~lightning_dpzero.DPDeepSpeedStrategy` (``noise_multiplier``, ``max_grad_norm``,
     ``clipping``, ``clipping_fn``, ``gamma``, ``clipping_mode``, ``clipping_groups`` as name patterns, ``group_max_grad_norms``,
     ``poisson_sampling``, ``secure_mode``, ``seed``, ``loss_reduction``, ``layout_check``,
-    ``max_micro_batch_size``, ``privacy_unit``, ``max_examples_per_user``) and, as Fabric has no
-    Trainer or accountant callback:
+    ``max_micro_batch_size``, ``privacy_unit``, ``max_examples_per_user``, ``noise_mechanism``, ``bands``) and, as
+    Fabric has no Trainer or accountant callback:
 
     Args:
         target_epsilon: ε budget: σ is calibrated to it over the planned steps when ``noise_multiplier`` is
@@ -97,8 +97,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                  loss_reduction: LossReduction = "mean",
                  layout_check: Union[bool, LayoutCheck] = "every-batch",
                  max_micro_batch_size: Optional[int] = None, privacy_unit: PrivacyUnit = "example",
-                 max_examples_per_user: Optional[int] = None,
-                 target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
+                 max_examples_per_user: Optional[int] = None, noise_mechanism: NoiseMechanism = "dp-sgd",
+                 bands: Optional[int] = None, target_epsilon: Optional[float] = None, delta: float = DEFAULT_DELTA, accountant: Accountant = "pld",
                  max_steps: Optional[int] = None, max_epochs: Optional[int] = None,
                  clipping_mode: ClippingMode = "book-keeping", accounting_worker: AccountingWorker = "process",
                  **kwargs: Any) -> None:
@@ -112,7 +112,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
                               layout_check=layout_check, max_micro_batch_size=max_micro_batch_size,
-                              privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user)
+                              privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
+                              noise_mechanism=noise_mechanism, bands=bands)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._loader = None
         self._other_loaders = 0  # loaders set up after the training loader
@@ -356,7 +357,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
         checkpoint = {**state, _STEP_KEY: self.steps.taken}
         self.checkpoint_protocol.save(
             checkpoint, path, self.ledger, zero_stage=self.zero_stage,
-            write_shards=lambda c, p: super(DPFabricStrategy, self).save_checkpoint(p, c, storage_options, filter))
+            write_shards=lambda c, p: super(DPFabricStrategy, self).save_checkpoint(p, c, storage_options, filter),
+            noise_state=self.mechanism.noise_state())
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
@@ -370,7 +372,8 @@ class DPFabricStrategy(DPSettings, FabricDeepSpeedLaunchMixin, DeepSpeedStrategy
                                                      trust_pickles=self.trust_checkpoint_pickles)
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         if training and deepspeed_dir:
-            self.mechanism.resume(self.checkpoint_protocol.loaded_ledger(path, remainder, commit))
+            self.mechanism.resume(self.checkpoint_protocol.loaded_ledger(path, remainder, commit),
+                                  self.checkpoint_protocol.noise_state(path))
             self._after_resume(int(remainder.get(_STEP_KEY, 0)))
         if isinstance(remainder, dict):
             for key in (_STEP_KEY, LEDGER_KEY):

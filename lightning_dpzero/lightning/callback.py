@@ -24,6 +24,7 @@ from .epsilon_display import (display_span, float64, log_dp_metric, log_epsilon_
 from ..util.options import Accountant, AccountingWorker, OnBudgetExhausted, check_flag, check_option
 from ..accounting import BudgetGuard, EpsilonTracker, PrivacyBudgetExceeded, PrivacyLedger
 from ..accounting.background import AccountingAhead, Answerer, check_accounting_worker, ledger_epsilon
+from ..accounting.banded import sampler_text
 from ..checkpoints.format import LEDGER_FILE
 from ..checkpoints.format import CALLBACK_STATE_KEY
 from ..mechanism import DPMechanism
@@ -355,7 +356,7 @@ class PrivacyAccountantCallback(Callback):
         target = f"target epsilon {plan.target_epsilon:g}" if plan.target_epsilon is not None else "no target epsilon"
         line = (f"DP-SGD: sigma={plan.noise_multiplier:.4g} ({how}), q={plan.sample_rate:.6g}, expected batch "
                 f"{plan.expected_batch_size:g}, {steps}, {target}, delta={plan.delta:g}, N={plan.dataset_size} "
-                f"({plan.accountant}, {'Poisson' if plan.sampler_kind == 'poisson' else 'shuffled batches'})")
+                f"({plan.accountant}, {sampler_text(plan.sampler_kind)})")
         bound = plan.micro_batch_bound
         if bound is not None:
             share = "" if plan.truncation_delta is None else f", taking {plan.truncation_delta:.3g} of delta"

@@ -50,7 +50,8 @@ class DPSettings:
                          clipping_fn: str, gamma: float, clipping_mode: str, clipping_groups, group_max_grad_norms,
                          poisson_sampling: bool, secure_mode: bool, seed: Optional[int], loss_reduction: str,
                          layout_check: Any, max_micro_batch_size: Optional[int] = None, privacy_unit: str = "example",
-                         max_examples_per_user: Optional[int] = None) -> None:
+                         max_examples_per_user: Optional[int] = None, noise_mechanism: str = "dp-sgd",
+                         bands: Optional[int] = None) -> None:
         validate_clipping(clipping, clipping_fn, max_grad_norm, gamma, clipping_mode)
         self.clipping_mode = clipping_mode
         self.loss_reduction = check_option("loss_reduction", loss_reduction, LossReduction)
@@ -59,7 +60,8 @@ class DPSettings:
                                                                                             poisson_sampling)
         self.mechanism = DPMechanism(noise_multiplier, max_grad_norm, seed=seed, secure_mode=secure_mode,
                                      poisson_sampling=poisson_sampling, max_micro_batch_size=max_micro_batch_size,
-                                     privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user)
+                                     privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
+                                     noise_mechanism=noise_mechanism, bands=bands)
         self.clipping, self.clipping_fn, self.gamma = clipping, clipping_fn, gamma
         validate_clipping_groups(clipping, clipping_groups, group_max_grad_norms, max_grad_norm)
         self.clipping_groups, self.group_max_grad_norms = clipping_groups, group_max_grad_norms
@@ -115,6 +117,7 @@ class DPSettings:
                                               or fp16 or deepspeed_engine.bfloat16_enabled())
         self.mechanism.loss_factor_check = fp16_loss_scale_check(deepspeed_engine)
         self.mechanism.loss_scaled_fp16 = fp16
+        self.mechanism.correlated.check_precision(fp16)
         keep_release_decisions_fresh(deepspeed_engine)
 
     def prepare_clipping_mode(self, deepspeed_engine) -> None:

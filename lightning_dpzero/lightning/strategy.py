@@ -28,7 +28,7 @@ from ..deepspeed.launch import DeepSpeedLaunchMixin
 from ..deepspeed.reduction import deferred_writes_reduced
 from ..per_sample.layout import reindex_batch
 from ..util import known_warnings
-from ..util.options import Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction, PrivacyUnit
+from ..util.options import Clipping, ClippingFn, ClippingMode, LayoutCheck, LossReduction, NoiseMechanism, PrivacyUnit
 from . import loop as _loop, refusals
 from .manual_loop import ManualSteps, one_optimizer
 from .settings import DPSettings, OfMechanism
@@ -68,6 +68,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         privacy_unit: ``"example"`` (default) or ``"user"``: user-level DP over the dataset's ``user_ids``, each
             sampled user contributing ``max_examples_per_user`` (k) rows; ε is per user
             (docs/how-to/user-level-dp.md).
+        noise_mechanism: ``"dp-sgd"`` (default), or ``"banded-mf"`` with ``bands`` = b: noise correlated over b
+            steps, cyclic Poisson sampling over b fixed parts (docs/how-to/correlated-noise.md).
         layout_check: ``"every-batch"`` (default): prove that layer inputs and loss are per example at the first
             micro-batch, then spot-check each later one (docs/reliability.md). ``"first-batch"``, ``"off"``.
 
@@ -79,10 +81,6 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         >>> strategy = DPDeepSpeedStrategy(stage=3, noise_multiplier=1.1, max_grad_norm=1.0, clipping="all-layer")
         >>> strategy.noise_multiplier, strategy.mechanism.max_grad_norm, strategy.zero_stage
         (1.1, 1.0, 3)
-        >>> DPDeepSpeedStrategy(loss_reduction="avg")
-        Traceback (most recent call last):
-        ...
-        ValueError: loss_reduction='avg' is not supported; use one of ('mean', 'sum').
     """
 
     strategy_name = "dp_deepspeed"
@@ -101,7 +99,7 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                  loss_reduction: LossReduction = "mean", layout_check: Union[bool, LayoutCheck] = "every-batch",
                  max_micro_batch_size: Optional[int] = None, clipping_mode: ClippingMode = "book-keeping",
                  privacy_unit: PrivacyUnit = "example", max_examples_per_user: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 noise_mechanism: NoiseMechanism = "dp-sgd", bands: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, zero_optimization=zero_optimization, stage=stage, **kwargs)
         self.init_dp_settings(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
                               clipping_fn=clipping_fn, gamma=gamma, clipping_mode=clipping_mode,
@@ -109,7 +107,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                               group_max_grad_norms=group_max_grad_norms, poisson_sampling=poisson_sampling,
                               secure_mode=secure_mode, seed=seed, loss_reduction=loss_reduction,
                               layout_check=layout_check, max_micro_batch_size=max_micro_batch_size,
-                              privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user)
+                              privacy_unit=privacy_unit, max_examples_per_user=max_examples_per_user,
+                              noise_mechanism=noise_mechanism, bands=bands)
         self._fit_loop = _loop.FitLoopGuard(self.mechanism)
         self.checkpoint_protocol = CheckpointProtocol(self)
         self._private_loader: Any = None  # the training loader process_dataloader built (an empty batch's stand-in)
@@ -120,10 +119,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     """σ: the plan's once it is fixed (calibrated from a target ε, or as given), before that as given."""
     max_grad_norm = OfMechanism()  #: C
     seed = OfMechanism()  #: seed of the noise and sampling streams (drawn at setup if not given; renewed on resume)
-    secure_mode = OfMechanism()
-    poisson_sampling = OfMechanism()
-    max_micro_batch_size = OfMechanism()
-    privacy_unit = OfMechanism()
+    secure_mode, poisson_sampling, max_micro_batch_size = OfMechanism(), OfMechanism(), OfMechanism()
+    privacy_unit, noise_mechanism = OfMechanism(), OfMechanism()
     plan = OfMechanism()
     """The run's :class:`PrivacyPlan` (q, σ, δ, N, B_exp, planned steps), fixed with the training loader."""
     ledger = OfMechanism()
@@ -249,7 +246,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """DeepSpeed's checkpoint, the ledger twice, then the commit marker: :meth:`CheckpointProtocol.save`."""
         self.checkpoint_protocol.save(checkpoint, filepath, self.ledger, zero_stage=self.zero_stage,
-            write_shards=lambda c, path: super(DPDeepSpeedStrategy, self).save_checkpoint(c, path, storage_options))
+            write_shards=lambda c, path: super(DPDeepSpeedStrategy, self).save_checkpoint(c, path, storage_options),
+            noise_state=self.mechanism.noise_state())
 
     @override
     def remove_checkpoint(self, filepath) -> None:
@@ -272,7 +270,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
                                                  trust_pickles=self.trust_checkpoint_pickles)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if fitting:
-            self.mechanism.resume(self.checkpoint_protocol.loaded_ledger(checkpoint_path, checkpoint, commit))
+            self.mechanism.resume(self.checkpoint_protocol.loaded_ledger(checkpoint_path, checkpoint, commit),
+                                  self.checkpoint_protocol.noise_state(checkpoint_path))
         return checkpoint
 
     # ------------------------------------------------------------------ errors and teardown

@@ -11,10 +11,12 @@ renewed on resume, the parts are not): record it with the run.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections import deque
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..accounting.banded import cyclic_sampler_kind
 from .samplers import DistributedPoissonBatchSampler, _secure_uniform
 
 __all__ = ["cyclic_parts", "CyclicPoissonBatchSampler"]
@@ -42,9 +44,13 @@ class CyclicPoissonBatchSampler(DistributedPoissonBatchSampler):
     Args (beyond the Poisson sampler's, which see):
         bands: b >= 1 (1: Poisson sampling of the whole set).
         partition_seed: seed of the fixed parts; the same on every rank and across resumes.
+        step_source: returns the run's optimizer steps so far (None: count from the epoch).
 
-    The step counter continues across epochs (``epoch · steps_per_epoch + i``), so a resumed run that calls
-    ``set_epoch`` with the same epoch samples the same parts in the same order.
+    Step t is the optimizer step's index in the whole run: ``step_source()`` when an epoch's iteration starts (the
+    privacy ledger's step count, so a resumed or restarted epoch continues the parts where the noise is) plus the
+    steps drawn since; without ``step_source``, ``epoch · steps_per_epoch + i``. Each micro-batch drawn queues its
+    step index (:meth:`pop_step`), so the driver can check, before the update, that the batch's part is the one of
+    the step the noise is at.
 
     Raises:
         ValueError: those of the Poisson sampler; ``b · sample_rate > 1``; ``bands`` > N.
@@ -56,18 +62,20 @@ class CyclicPoissonBatchSampler(DistributedPoissonBatchSampler):
         True
     """
 
-    sampler_kind = "cyclic-poisson"
-
     def __init__(self, num_samples: int, sample_rate: float, bands: int, partition_seed: int,
                  num_replicas: int = 1, rank: int = 0, accumulate_grad_batches: int = 1,
                  steps_per_epoch: int | None = None, seed: int = 0, secure_mode: bool = False,
-                 shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None) -> None:
+                 shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None,
+                 step_source: Optional[Callable[[], int]] = None) -> None:
         super().__init__(num_samples, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch,
                          seed, secure_mode, None, max_micro_batch_size)
         if shard_sizes is not None or max_micro_batch_size is not None:
             raise ValueError("Cyclic Poisson sampling (noise_mechanism='banded-mf') does not support pre-sharded "
                              "data or max_micro_batch_size yet: use the DP strategy's own sampler over one dataset.")
         self.bands, self.partition_seed = int(bands), int(partition_seed)
+        self.sampler_kind = cyclic_sampler_kind(self.bands)  # what the ledger charges: "cyclic-poisson:<b>"
+        self.step_source = step_source
+        self._drawn: deque[int] = deque()  # the step index of each micro-batch drawn and not yet run
         self.part_rate = self.bands * self.sample_rate
         if self.part_rate > 1:
             raise ValueError(f"q_b = bands · q = {self.bands} · {self.sample_rate:g} > 1: each part holds N/b "
@@ -79,9 +87,16 @@ class CyclicPoissonBatchSampler(DistributedPoissonBatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         gen = None if self.secure_mode else self._generator()
         k = self.accumulate_grad_batches
+        start = self.epoch * self.steps_per_epoch if self.step_source is None else int(self.step_source())
+        self._drawn.clear()  # a new iteration: micro-batches drawn by an abandoned one never run
         for i in range(self.steps_per_epoch):
-            part = self.rank_parts[(self.epoch * self.steps_per_epoch + i) % self.bands]
+            part = self.rank_parts[(start + i) % self.bands]
             uniforms = _secure_uniform(len(part)) if gen is None else gen.random(len(part))
             step = part[uniforms < self.part_rate]
             for chunk in np.array_split(step, k):
+                self._drawn.append(start + i)
                 yield chunk.tolist()
+
+    def pop_step(self) -> Optional[int]:
+        """The run's step index whose part the next micro-batch to run was drawn from (None: none queued)."""
+        return self._drawn.popleft() if self._drawn else None

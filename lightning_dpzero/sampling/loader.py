@@ -3,7 +3,7 @@ describe, and a user's DataLoader rebuilt over the same dataset with a private b
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, Sampler
@@ -113,7 +113,8 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
                        accumulate_grad_batches: int = 1, seed: int = 0, secure_mode: bool = False,
                        poisson: bool = True, steps_per_epoch: int | None = None,
                        shard_sizes: Sequence[int] | None = None, max_micro_batch_size: int | None = None,
-                       batch_sizes: Sequence[int] | None = None) -> DataLoader:
+                       batch_sizes: Sequence[int] | None = None, cyclic: Mapping[str, Any] | None = None
+                       ) -> DataLoader:
     """Rebuild a user's DataLoader over the same dataset with a private batch sampler.
 
     `poisson=True`: a `DistributedPoissonBatchSampler(N, sample_rate, ...)`, N = `dataset_size(dataloader)`, or
@@ -121,6 +122,8 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     `poisson=False`: a `DistributedShuffledBatchSampler` with the loader's own `batch_size` per micro-batch
     (`batch_sizes`: every rank's, where they differ); `sample_rate` must then be the sampler's (B W K / N where
     the ranks agree, as from `poisson_sample_rate`; else :func:`shuffled_sample_rate`), else ValueError.
+    `cyclic` (correlated noise, banded MF): ``{"bands": b, "partition_seed": s, "step_source": f}`` with b > 1:
+    a :class:`~lightning_dpzero.sampling.cyclic.CyclicPoissonBatchSampler` (Poisson only; no shards, no bound).
     `max_micro_batch_size` (b): Poisson draws are truncated to K·b per rank and step (see the sampler); with
     fixed-size batches a b below the loader's `batch_size` is refused (ValueError) and any other b changes nothing.
     Kept: num_workers, collate_fn (wrapped by `empty_safe_collate`), pin_memory, timeout, worker_init_fn,
@@ -129,8 +132,15 @@ def private_dataloader(dataloader: DataLoader, sample_rate: float, num_replicas:
     `sampler_kind`, `sample_rate` and `expected_batch_size` for the ledger.
     """
     n = dataset_size(dataloader) if shard_sizes is None else sum(shard_sizes)
-    if poisson:
-        batch_sampler: _ShardedBatchSampler = DistributedPoissonBatchSampler(
+    if poisson and cyclic is not None and int(cyclic["bands"]) > 1:
+        from .cyclic import CyclicPoissonBatchSampler
+
+        batch_sampler: _ShardedBatchSampler = CyclicPoissonBatchSampler(
+            n, sample_rate, num_replicas=num_replicas, rank=rank, accumulate_grad_batches=accumulate_grad_batches,
+            steps_per_epoch=steps_per_epoch, seed=seed, secure_mode=secure_mode, shard_sizes=shard_sizes,
+            max_micro_batch_size=max_micro_batch_size, **cyclic)
+    elif poisson:
+        batch_sampler = DistributedPoissonBatchSampler(
             n, sample_rate, num_replicas, rank, accumulate_grad_batches, steps_per_epoch, seed, secure_mode,
             shard_sizes, max_micro_batch_size)
     else:

@@ -344,12 +344,13 @@ def _warn_unequal_rates(data: TrainingData, accumulate_grad_batches: int, q: flo
 
 def private_training_loader(dataloader: Any, collectives: Collectives, accumulate_grad_batches: int, *,
                             pre_sharded: bool, poisson: bool, seed: int, secure_mode: bool,
-                            max_micro_batch_size: Optional[int]) -> Any:
+                            max_micro_batch_size: Optional[int], cyclic: Optional[dict] = None) -> Any:
     """The training loader over the same dataset with the distributed Poisson (``poisson``, else shuffled)
     sampler at the q all ranks agreed (:meth:`TrainingData.sample_rate`: ``q = B·W·K/N`` where the ranks' batch
     sizes B agree). ``pre_sharded`` (``use_distributed_sampler=False``): each rank's loader may hold its own
     shard, N is then the sum over ranks (:func:`describe_training_data`). ``max_micro_batch_size``: the bound of
-    :class:`~lightning_dpzero.sampling.DistributedPoissonBatchSampler`.
+    :class:`~lightning_dpzero.sampling.DistributedPoissonBatchSampler`. ``cyclic``: cyclic Poisson sampling over
+    fixed parts (correlated noise; :func:`~lightning_dpzero.sampling.loader.private_dataloader`).
 
     Raises:
         TypeError: the dataset has no ``__len__`` (N is needed).
@@ -364,4 +365,5 @@ def private_training_loader(dataloader: Any, collectives: Collectives, accumulat
         _warn_unequal_rates(data, accumulate_grad_batches, q)
     return private_dataloader(dataloader, q, world, rank, accumulate_grad_batches, seed=seed,
                               secure_mode=secure_mode, poisson=poisson, shard_sizes=data.shard_sizes,
-                              max_micro_batch_size=max_micro_batch_size, batch_sizes=data.batch_sizes)
+                              max_micro_batch_size=max_micro_batch_size, batch_sizes=data.batch_sizes,
+                              cyclic=cyclic)
