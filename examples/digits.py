@@ -159,7 +159,7 @@ def train_dp(args: argparse.Namespace) -> tuple[float, float, float, float, bool
     strategy = DPDeepSpeedStrategy(
         stage=args.stage, noise_multiplier=args.noise_multiplier, max_grad_norm=args.max_grad_norm,
         clipping=args.clipping, clipping_fn=args.clipping_fn, seed=args.noise_seed,
-        logging_level=logging.ERROR)
+        noise_mechanism=args.noise_mechanism, bands=args.bands, logging_level=logging.ERROR)
     target = None if args.noise_multiplier is not None else args.target_epsilon
     accountant = PrivacyAccountantCallback(target_epsilon=target, delta=args.delta)
     trainer = L.Trainer(
@@ -204,6 +204,9 @@ def add_dp_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--noise-seed", type=int, default=None,
                    help="seed of the DP noise and sampling (reproducible runs; it warns why not in production); "
                         "default: drawn from OS entropy")
+    p.add_argument("--noise-mechanism", default="dp-sgd", choices=["dp-sgd", "banded-mf"],
+                   help="independent noise per step, or noise correlated over --bands steps")
+    p.add_argument("--bands", type=int, default=None, help="b, for --noise-mechanism banded-mf")
     return p
 
 

@@ -39,7 +39,8 @@ def train(args: argparse.Namespace) -> None:
     strategy = DPFabricStrategy(
         stage=args.stage, max_grad_norm=args.max_grad_norm, noise_multiplier=args.noise_multiplier,
         target_epsilon=None if args.noise_multiplier is not None else args.target_epsilon, delta=args.delta,
-        max_epochs=args.epochs, seed=args.noise_seed, logging_level=logging.ERROR)
+        max_epochs=args.epochs, seed=args.noise_seed, noise_mechanism=args.noise_mechanism, bands=args.bands,
+        logging_level=logging.ERROR)
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(args.seed)  # the same initial weights on every rank

@@ -92,7 +92,7 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
              limit_train_batches: Any = 1.0, noise_multiplier: Optional[float] = None,
              target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld",
              poisson_sampling: bool = True, max_micro_batch_size: Optional[int] = None,
-             max_examples_per_user: Optional[int] = None) -> PlannedRun:
+             max_examples_per_user: Optional[int] = None, bands: Optional[int] = None) -> PlannedRun:
     """The privacy plan ``Trainer.fit`` with :class:`~lightning_dpzero.DPDeepSpeedStrategy` fixes, and its ε.
 
     Args:
@@ -116,6 +116,8 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
         max_examples_per_user: k, for ``privacy_unit="user"``: dataset_size and batch_size then count users
             (U and users per micro-batch), ε is per user and the plan records the unit. None: example-level.
             Raises ValueError when k < 1.
+        bands: b, for ``noise_mechanism="banded-mf"``: cyclic Poisson sampling over b parts, ε of ⌈T/b⌉ rounds at
+            rate b·q (None or 1: DP-SGD's accounting).
 
     Raises:
         ValueError: what the run would refuse: q > 1, a target without σ for an unbounded run, an explicit σ
@@ -138,6 +140,13 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     micro = limited_micro_batches(_micro_batches_per_epoch(dataset_size, q, batch_size, world, k, poisson_sampling),
                                   limit_train_batches)
     sampler = "poisson" if poisson_sampling else "shuffle"
+    if bands is not None and int(bands) > 1:  # banded MF: the strategy refuses it with fixed-size batches
+        from .accounting.banded import cyclic_sampler_kind
+
+        if not poisson_sampling or max_micro_batch_size is not None:
+            raise ValueError("bands > 1 (noise_mechanism='banded-mf') needs Poisson sampling without a micro-batch "
+                             "bound: drop --no-poisson / --max-micro-batch-size, or --bands.")
+        sampler = cyclic_sampler_kind(int(bands))
     bound = None
     if check_max_micro_batch_size(max_micro_batch_size) is not None:
         if not poisson_sampling:  # fixed-size batches are never truncated: only a b below B is wrong
@@ -157,8 +166,8 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     p = plan.truncation_probability
     eps = {}
     for acc in ("pld", "rdp"):
-        eps[acc] = (epsilon_for(plan.noise_multiplier, delta, q, plan.planned_steps, acc, truncation=p)
-                    if plan.planned_steps else None)
+        eps[acc] = (epsilon_for(plan.noise_multiplier, delta, *_accounted(q, plan.planned_steps, sampler), acc,
+                                truncation=p) if plan.planned_steps else None)
     fits = None
     if target_epsilon is not None and noise_multiplier is not None:
         with contextlib.suppress(ValueError):  # more than 1e9 steps fit: say nothing
@@ -166,6 +175,14 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
                                                                    q, plan.noise_multiplier, sampler, bound)
     return PlannedRun(plan, batch_size, world, k, micro, max(micro // k, 1), eps["pld"], eps["rdp"], fits,
                       calibrated=noise_multiplier is None)
+
+
+def _accounted(q: float, steps: int, sampler: str) -> tuple[float, int]:
+    """``(q, steps)`` as the accountant composes them (banded MF: its rounds; ``accounting/banded.py``)."""
+    from .accounting.banded import equivalent_run
+
+    rate, _, count = equivalent_run(q, 0.0, steps, sampler)
+    return rate, count
 
 
 # ---------------------------------------------------------------------------------------------- from a config
@@ -212,6 +229,7 @@ def settings_from_config(cli_args: Sequence[str]) -> dict[str, Any]:
             "noise_multiplier": strategy.noise_multiplier, "poisson_sampling": strategy.poisson_sampling,
             **({"max_micro_batch_size": strategy.max_micro_batch_size}
                if strategy.max_micro_batch_size is not None else {}),
+            **({"bands": strategy.mechanism.bands} if strategy.noise_mechanism == "banded-mf" else {}),
             **({"target_epsilon": settings.target_epsilon, "delta": settings.delta,
                 "accountant": settings.accountant} if settings is not None else {})}
 
@@ -221,7 +239,9 @@ def _lines(run: PlannedRun) -> list[str]:
     from .accounting.report import format_epsilon
 
     p = run.plan
-    sampler = "Poisson" if p.sampler_kind == "poisson" else "shuffled fixed-size batches, accounted as if Poisson"
+    from .accounting.banded import sampler_text
+
+    sampler = sampler_text(p.sampler_kind) + (", accounted as if Poisson" if p.sampler_kind == "shuffle" else "")
     if p.planned_steps is None:
         steps = "unbounded (the budget stops the run)" if p.target_epsilon is not None else "unbounded"
     else:
@@ -292,6 +312,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-micro-batch-size", type=int, metavar="B",
                    help="the strategy's max_micro_batch_size: the most examples one micro-batch may hold (the "
                         "truncation's share of delta is reported and sigma calibrated without it)")
+    p.add_argument("--bands", type=int, metavar="b",
+                   help="noise_mechanism='banded-mf' with b bands: epsilon of ceil(steps/b) rounds at rate b*q")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw epsilon against steps up to the planned steps")
     p.add_argument("--points", type=int, default=100, help="about how many step counts the plot evaluates")

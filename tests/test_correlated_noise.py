@@ -63,12 +63,12 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1.0)
 
 
-def _trainer(steps, root=None, sigma=1.0, **strategy):
+def _trainer(steps, root=None, sigma=1.0, target_epsilon=None, **strategy):
     strategy = {"noise_mechanism": "banded-mf", **strategy}
     return L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, noise_multiplier=sigma, max_grad_norm=1.0, **strategy),
-                     accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                     callbacks=[PrivacyAccountantCallback(delta=1e-5)])
+                     accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1 if steps == -1 else None,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir=root, callbacks=[PrivacyAccountantCallback(target_epsilon, delta=1e-5)])
 
 
 def _released_noise(model, std):
@@ -115,6 +115,33 @@ def test_epsilon_is_that_of_the_equivalent_rounds_at_the_part_rate():
     pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4).compose(event).get_epsilon(1e-5)
     assert ledger.epsilon() == pytest.approx(pld, rel=0.02)
     assert ledger.epsilon() > compute_epsilon([LedgerEntry(q, 1.0, 5)], 1e-5)  # weaker amplification per step
+
+
+def test_the_planner_and_calibration_use_the_same_rounds():
+    from lightning_dpzero.planner import plan_run
+
+    trainer = L.Trainer(strategy=DPDeepSpeedStrategy(stage=2, max_grad_norm=1.0, seed=1, noise_mechanism="banded-mf",
+                                                     bands=3),
+                        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[PrivacyAccountantCallback(target_epsilon=4.0, delta=1e-5)])
+    trainer.fit(Module(), DataLoader(Rows(), batch_size=BATCH))
+    plan, ledger = trainer.strategy.plan, trainer.strategy.ledger
+    assert 4.0 * 0.99 <= ledger.epsilon() <= 4.0  # σ calibrated to the 2 rounds of 6 steps at b = 3
+    planned = plan_run(N, BATCH, max_steps=6, target_epsilon=4.0, bands=3)
+    assert planned.plan.noise_multiplier == plan.noise_multiplier
+    assert planned.epsilon_pld == pytest.approx(ledger.epsilon(), rel=1e-9)
+    dp_sgd = plan_run(N, BATCH, max_steps=6, target_epsilon=4.0)
+    assert dp_sgd.plan.noise_multiplier < plan.noise_multiplier  # weaker amplification: more noise per step
+
+
+def test_the_budget_stop_counts_rounds():
+    trainer = _trainer(-1, bands=3, seed=1, sigma=2.0, target_epsilon=6.0)  # unbounded: the budget stops it
+    trainer.fit(Module(), DataLoader(Rows(), batch_size=BATCH))
+    ledger = trainer.strategy.ledger
+    assert 3 < ledger.steps and ledger.epsilon() <= 6.0
+    bigger = compute_epsilon([LedgerEntry(BATCH / N, 2.0, ledger.steps + 3, "cyclic-poisson:3")], 1e-5)
+    assert bigger > 6.0  # the next round would have spent more than the budget
 
 
 def test_each_step_samples_only_its_part_and_the_parts_cover_the_data_once():
