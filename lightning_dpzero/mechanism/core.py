@@ -1,55 +1,26 @@
-"""One DP-SGD step, owned by one object (docs/design.md, *The mechanism* and *Where each piece runs*).
-
-:class:`DPMechanism` holds everything that makes an optimizer step private and nothing about what drives the
-training loop: the privacy plan, the ledger (opened, restored, charged before the update, I4), the factors on
-the loss (the loss probe, *The factors on the loss*), the noise hook and its scales (I3), the non-finite-loss
-policy, empty Poisson batches, fresh random streams after a resume, and the check that the noise ran before an
-update was applied. It talks to the other ranks through :class:`~lightning_dpzero.util.collectives.Collectives`,
-which every Lightning strategy is, so the same object serves the Trainer's :class:`DPDeepSpeedStrategy`, a
-Fabric loop, or a loop in plain PyTorch (the audit).
-
-A driver calls, in this order:
-
-1. :meth:`attach` once the per-example engine is attached to the module, at every fit (draws a seed shared by
-   the ranks; a fit that continues the ledger derives its streams' seed from the ledger's position);
-2. :meth:`install_noise` on the optimizer whose ``step`` receives the reduced gradient;
-3. :meth:`private_loader` and :meth:`fix_plan` once the training loader is known (or :meth:`use_plan`
-   with a plan of its own); the ledger is opened there, or the restored one continued;
-4. optionally :meth:`begin_fit` with the driver's step counters before the first update;
-5. per micro-batch, :meth:`training_step` around the forward (its all-reduce also carries a stop that
-   :meth:`request_stop` asked for: :attr:`stop_agreed`) and :meth:`probe_loss` on the loss before backward;
-6. per optimizer step, :meth:`optimizer_step` around the step;
-7. :meth:`resume` when a checkpoint is loaded (:meth:`restore_ledger` for another copy of its ledger).
-
-The accountant callback hands its settings over with :meth:`use_accounting` and reads :attr:`plan`,
-:attr:`ledger` and :meth:`take_stats`.
-"""
+"""The DP step's object (:class:`DPMechanism`; the package's docstring says what a driver calls, in which order):
+its settings, the noise hook, resume, the per-micro-batch and per-step calls. Its loss checks are in ``loss.py``
+and its loader and plan in ``data.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import secrets
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
-from torch.utils.data import DataLoader
 
-from .util.collectives import Collectives, SingleProcess, sum_over_ranks
-from .sampling.micro_batch import logging_suppressed, non_finite_loss_message, without_rows, zero_loss
-from .accounting.step_counts import ChargedUpdates, StepCounts
-from .accounting import PrivacyLedger
-from .accounting.truncation import check_max_micro_batch_size
-from .noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
-from .banded_mf import CorrelatedNoise, check_banded_supported
-from .per_sample import PerSampleEngine
-from .accounting.plan import AccountingSettings, PrivacyPlan
-from .sampling.shards import describe_training_data, private_training_loader
-from .sampling.users import check_privacy_unit, unit_text, user_level_loader
-
-
-class NonFiniteLossError(RuntimeError):
-    """``training_step`` returned a NaN or infinite loss; training stops with that step charged to the ledger."""
+from ..util.collectives import Collectives, SingleProcess
+from ..sampling.micro_batch import logging_suppressed, without_rows, zero_loss
+from ..accounting.step_counts import ChargedUpdates, StepCounts
+from ..accounting import PrivacyLedger
+from ..accounting.truncation import check_max_micro_batch_size
+from ..noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
+from ..banded_mf import CorrelatedNoise
+from ..per_sample import PerSampleEngine
+from ..accounting.plan import AccountingSettings, PrivacyPlan
+from ..sampling.users import check_privacy_unit
+from .data import PlanAndData
+from .loss import LossChecks
 
 
 class StepStats(NamedTuple):
@@ -60,21 +31,7 @@ class StepStats(NamedTuple):
     norm_sum: float  #: sum of their total per-example norms (before clipping)
 
 
-class _LossProbe(torch.autograd.Function):
-    """Identity on the loss whose backward reports d(final scaled loss)/d(loss) to the mechanism."""
-
-    @staticmethod
-    def forward(ctx, loss, mechanism, accumulate_grad_batches, gradient_accumulation_steps):
-        ctx.mechanism, ctx.k, ctx.gas = mechanism, accumulate_grad_batches, gradient_accumulation_steps
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.mechanism._on_loss_grad(g, ctx.k, ctx.gas)
-        return g, None, None, None
-
-
-class DPMechanism:
+class DPMechanism(PlanAndData, LossChecks):
     """The DP-SGD step of a run: ``g̃ = (Σ_i clip(g_i) + N(0, σ²C²I)) / B_exp`` with ``B_exp = q·N``.
 
     Args:
@@ -217,68 +174,6 @@ class DPMechanism:
     def _mark_noise_applied(self) -> None:
         self._noise_applied = True
 
-    # ------------------------------------------------------------------------------------------ data and plan
-    def private_loader(self, dataloader: DataLoader, accumulate_grad_batches: int, pre_sharded: bool = False
-                       ) -> DataLoader:
-        """The training loader over the same dataset with the distributed Poisson (or shuffled) sampler at
-        ``q = B·W·K/N`` (:func:`lightning_dpzero.sampling.shards.private_training_loader`, which lists what it raises)."""
-        options = dict(pre_sharded=pre_sharded, poisson=self.poisson_sampling, seed=self.seed,
-                       secure_mode=self.secure_mode, max_micro_batch_size=self.max_micro_batch_size)
-        self._loader_sampler = None
-        if self.correlated.cyclic:  # BandMF: the parts are fixed once per run (resumes keep the ledger's)
-            restored = None if self._restored is None else self._restored.noise_mechanism
-            self.correlated.fix_partition(restored, self._seeds.given, self.collectives.broadcast)
-            loader = private_training_loader(dataloader, self.collectives, accumulate_grad_batches, **options,
-                                             cyclic=self.correlated.sampler_options(self._charged_steps))
-            self._loader_sampler = loader.batch_sampler
-            return loader
-        if self.privacy_unit == "user":  # Poisson sampling over users (sampling/users.py)
-            data = describe_training_data(dataloader, self.collectives.world_size, pre_sharded)
-            loader = user_level_loader(dataloader, self.collectives, accumulate_grad_batches, **options,
-                                       max_examples_per_user=self.max_examples_per_user, batch_sizes=data.batch_sizes)
-            self._user_sampler = loader.batch_sampler
-            return loader
-        return private_training_loader(dataloader, self.collectives, accumulate_grad_batches, **options)
-
-    def fix_plan(self, loader: DataLoader, *, accumulate_grad_batches: int, micro_batches_per_epoch: int,
-                 max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
-        """Fix the plan for the loader from :meth:`private_loader` (σ calibrated if asked) and open the ledger.
-        A plan fixed again (a reloaded loader) keeps the σ of the first."""
-        plan = PrivacyPlan.for_sampler(
-            loader.batch_sampler, self.accounting, noise_multiplier=self.noise_multiplier,
-            max_micro_batch_size=self.max_micro_batch_size, accumulate_grad_batches=accumulate_grad_batches,
-            micro_batches_per_epoch=micro_batches_per_epoch, max_steps=max_steps, max_epochs=max_epochs)
-        if self.correlated.banded:
-            check_banded_supported(self.bands, max(micro_batches_per_epoch // accumulate_grad_batches, 1),
-                                   self.poisson_sampling)
-            plan = dataclasses.replace(plan, noise_mechanism=self.correlated.record())
-        self.use_plan(plan)
-        return plan
-
-    def use_plan(self, plan: PrivacyPlan) -> None:
-        """Charge every step with ``plan`` and open the ledger: the restored one, after checking it is for the
-        same N and δ, else (once) a new one with a run id shared by the ranks."""
-        self.plan = plan
-        restored = self._restored
-        if restored is not None:
-            if restored.privacy_unit != plan.privacy_unit:
-                raise ValueError(
-                    f"The checkpoint's privacy ledger is for privacy unit {unit_text(restored.privacy_unit)}; this "
-                    f"run's is {unit_text(plan.privacy_unit)}. Resume with the strategy's privacy_unit and "
-                    "max_examples_per_user as the run was started with (its ε is in those units).")
-            self.correlated.check_restored(restored.noise_mechanism)
-            if restored.dataset_size != plan.dataset_size or restored.delta != plan.delta:
-                raise ValueError(
-                    f"The checkpoint's privacy ledger is for N={restored.dataset_size}, δ={restored.delta}; this "
-                    f"run has N={plan.dataset_size}, δ={plan.delta}. Resume with the same data and delta.")
-            self.ledger = restored
-        elif self.ledger is None:
-            # one run id on every rank, so every rank's copy of the ledger is the same document
-            run_id = self.collectives.broadcast(secrets.token_hex(16))
-            self.ledger = PrivacyLedger(delta=plan.delta, dataset_size=plan.dataset_size,
-                                        accountant=plan.accountant, run_id=run_id, shard_sizes=plan.shard_sizes,
-                                        privacy_unit=plan.privacy_unit, noise_mechanism=plan.noise_mechanism)
-
     # ------------------------------------------------------------------------------------------ resume
     def restore_ledger(self, ledger: PrivacyLedger) -> None:
         """Continue ``ledger`` (from a checkpoint) when the plan opens the ledger.
@@ -315,9 +210,6 @@ class DPMechanism:
         """This rank's noise state for a checkpoint: BandMF's history of its partition (None for DP-SGD)."""
         return self.correlated.state_dict()
 
-    def _charged_steps(self) -> int:
-        return self.ledger.steps if self.ledger is not None else 0
-
     def _renew_seed(self) -> None:
         many = self.collectives.world_size > 1
         self._seeds.renew(lambda s: self.collectives.broadcast(s) if many else s)
@@ -351,29 +243,6 @@ class DPMechanism:
             return without_rows(out) if stand_in_rows else out
         return self.check_finite_loss(zero_loss(without_rows(out) if stand_in_rows else out), step, epoch)
 
-    def units_of(self, batch_size: Optional[int]) -> Optional[torch.Tensor]:
-        """With ``privacy_unit="user"``: the user of each row of the micro-batch about to run (its sampler's, in the
-        order drawn), ``(B,)`` for ``PerSampleEngine.start_micro_batch(units=...)``; ``None`` otherwise or for an
-        empty one.
-
-        Raises:
-            RuntimeError: the micro-batch is not the size the sampler drew (a batch it did not draw)."""
-        self.correlated.note_micro_batch(self._loader_sampler)  # BandMF: the step its part was drawn for
-        if self._user_sampler is None:
-            return None
-        units = self._user_sampler.pop_units()
-        if batch_size is not None and len(units) != batch_size:
-            raise RuntimeError(f"privacy_unit='user': the micro-batch has {batch_size} rows but the user-level "
-                               f"sampler drew {len(units)} for it, so its rows' users are unknown. Train on the "
-                               "loader the strategy builds, and keep each batch's rows (no filtering in collate).")
-        return torch.from_numpy(units) if len(units) else None
-
-    def micro_batch_loss(self, loss: Any, batch_size: Optional[int], *, step: Optional[int] = None) -> Any:
-        """What :meth:`training_step` does after ``run()``, for a driver whose user computes the loss outside a
-        ``training_step`` (a Fabric loop: the engine was told of the micro-batch before its forward): an empty
-        Poisson batch's loss (NaN, a mean over no examples) becomes 0, then :meth:`check_finite_loss`."""
-        return self.check_finite_loss(zero_loss(loss) if batch_size == 0 else loss, step)
-
     def check_layout(self, rerun: Callable[[Optional[torch.Tensor]], Any], batch_size: Optional[int], *,
                      module: Any = None, every_batch: bool = False) -> bool:
         """The engine's layout check (:meth:`PerSampleEngine.check_layout`; ``every_batch``: then its spot
@@ -382,62 +251,6 @@ class DPMechanism:
         by ``index``."""
         with logging_suppressed(module):
             return self.engine.check_layout(rerun, batch_size, self.collectives, every_batch=every_batch)
-
-    def check_finite_loss(self, out: Any, step: Optional[int] = None, epoch: Optional[int] = None) -> Any:
-        """Stop on a NaN/inf loss (any rank; all ranks agree in one all-reduce), with the step charged.
-
-        A non-finite loss would give NaN per-example norms and coefficients, and a NaN update: never skip it
-        silently. The step is charged before raising (conservative: whether the loss was finite depends on the
-        batch and is now visible), nothing is applied, and every rank raises the same
-        :class:`NonFiniteLossError`. ``step`` and ``epoch`` (the optimizer step being built, the epoch) only
-        word the message."""
-        if self.plan is None or self.ledger is None:
-            return out
-        loss = out.get("loss") if isinstance(out, dict) else out
-        if not isinstance(loss, torch.Tensor):
-            return out
-        world = self.collectives.world_size
-        flags = torch.stack([torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32),
-                             torch.tensor(float(self._stop_requested), device=loss.device)])
-        if world > 1:  # the one collective of every micro-batch: a stop request rides along (see request_stop)
-            flags = sum_over_ranks(self.collectives, flags)
-        bad, stop = flags.tolist()  # one device-to-host read for both
-        self.stop_agreed = self.stop_agreed or stop > 0
-        if bad == 0:
-            return out
-        self.charge()
-        raise NonFiniteLossError(non_finite_loss_message(self.ledger, loss, int(bad), world, step, epoch))
-
-    def probe_loss(self, loss: torch.Tensor, accumulate_grad_batches: int = 1,
-                   gradient_accumulation_steps: int = 1) -> torch.Tensor:
-        """``loss`` through the loss probe, to hand to backward: its backward reads the product ``g`` of every
-        factor put on the loss after this point (``1/gradient_accumulation_steps`` and the loss scale of
-        DeepSpeed's backward) and has the engine take norms of ``K/g`` times the output gradients, K being
-        ``accumulate_grad_batches`` (Lightning's 1/K is on ``loss`` already), and write back ``g·gas`` (the loss
-        scale, which DeepSpeed divides out) times the clipped sums (docs/design.md, *The factors on the loss*)."""
-        return _LossProbe.apply(loss, self, accumulate_grad_batches, gradient_accumulation_steps)
-
-    def _on_loss_grad(self, g: torch.Tensor, accumulate_grad_batches: int, gradient_accumulation_steps: int) -> None:
-        g = float(g)
-        if math.isinf(g) and self.loss_scaled_fp16:
-            # fp16: the loss times DeepSpeed's loss scale overflowed (an fp16 loss at the default scale 2^16 does).
-            # Every gradient emitted is NaN, so DeepSpeed's overflow check skips this step and lowers the scale, as
-            # it does without DP; nothing of the batch is released, and the step is charged all the same (I4).
-            self.engine.set_loss_factors(grad_scale=math.nan, emit_scale=math.nan)
-            return
-        if not math.isfinite(g) or g == 0:
-            raise RuntimeError(f"The loss gradient is {g}; cannot recover per-example gradients.")
-        if self.loss_factor_check is not None:
-            self.loss_factor_check(g * gradient_accumulation_steps)
-        # undo Lightning's 1/K, DeepSpeed's 1/gas and the loss scale; emit × S, which DeepSpeed divides out
-        self.engine.set_loss_factors(grad_scale=accumulate_grad_batches / g,
-                                     emit_scale=g * gradient_accumulation_steps)
-
-    def request_stop(self) -> None:
-        """Ask the run to stop (from a signal handler: no collective, no lock). Every rank learns it in the
-        all-reduce of the next micro-batch's :meth:`check_finite_loss`, at the same point of every rank's program,
-        and :attr:`stop_agreed` becomes True there on all ranks alike."""
-        self._stop_requested = True
 
     # ------------------------------------------------------------------------------------------ per optimizer step
     def begin_fit(self, counts: Mapping[str, int]) -> None:
