@@ -301,11 +301,18 @@ class CorrelatedNoise:
         """This rank's noise state for a checkpoint (None: DP-SGD, or nothing noised yet)."""
         return self.source.state_dict() if self.banded and self.source is not None else None
 
-    def load(self, state: Optional[dict], steps: int, rank: int) -> None:
-        """A checkpoint was loaded whose ledger has ``steps`` steps: its noise state ``state`` (this rank's) is the
-        history the next source continues. ``ValueError`` if BandMF's state is missing or for another mechanism."""
+    def load(self, state: Optional[dict], steps: int, rank: int, restored: Optional[dict] = None,
+             sampler: Any = None) -> None:
+        """A checkpoint was loaded whose ledger has ``steps`` steps and records ``restored`` (its
+        ``noise_mechanism``): its partition is the run's from now on (also for a ``sampler`` built before the load,
+        as a Fabric loop builds it), and its noise state ``state`` (this rank's) is the history the next source
+        continues. ``ValueError`` if BandMF's state is missing or for another mechanism."""
         if not self.banded:
             return
+        if restored is not None and restored.get("partition_seed") is not None:
+            self.partition_seed = int(restored["partition_seed"])
+            if hasattr(sampler, "set_partition"):
+                sampler.set_partition(self.partition_seed)
         if state is None:
             if steps == 0 or self.bands == 1:
                 self._pending = None

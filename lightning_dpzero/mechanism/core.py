@@ -197,7 +197,8 @@ class DPMechanism(PlanAndData, LossChecks):
         noise continues (fresh draws, the same correlation)."""
         self._restored = None  # a new load: its ledger, not an earlier load's, is the one the others must match
         self.restore_ledger(ledger)
-        self.correlated.load(noise_state, ledger.steps, self.collectives.global_rank)
+        self.correlated.load(noise_state, ledger.steps, self.collectives.global_rank, ledger.noise_mechanism,
+                             self._loader_sampler)
         if self.secure_mode or self._noise_handle is None:  # secure: no seed to reuse; not fitting: no hook
             return
         self._renew_seed()  # (a rollback must not restart this fit's streams either)

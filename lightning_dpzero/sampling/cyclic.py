@@ -80,9 +80,15 @@ class CyclicPoissonBatchSampler(DistributedPoissonBatchSampler):
         if self.part_rate > 1:
             raise ValueError(f"q_b = bands · q = {self.bands} · {self.sample_rate:g} > 1: each part holds N/b "
                              "examples, fewer than one expected batch. Use fewer bands or a smaller batch.")
+        self.set_partition(self.partition_seed)
+
+    def set_partition(self, partition_seed: int) -> None:
+        """Use the parts of ``partition_seed`` (a resumed run's, from its ledger, when the loader was built before
+        the checkpoint was loaded)."""
+        self.partition_seed = int(partition_seed)
         mine = set(self.shard.tolist())  # this rank's examples r, r+W, ...: parts intersected with the shard
         self.rank_parts = [np.array([i for i in p.tolist() if i in mine], dtype=np.int64)
-                           for p in cyclic_parts(num_samples, self.bands, self.partition_seed)]
+                           for p in cyclic_parts(self.num_samples, self.bands, self.partition_seed)]
 
     def __iter__(self) -> Iterator[list[int]]:
         gen = None if self.secure_mode else self._generator()
