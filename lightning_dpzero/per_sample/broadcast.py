@@ -68,7 +68,7 @@ class Shared(torch.Tensor):
     @staticmethod
     def __new__(cls, value: torch.Tensor, origin: Origin, make: Optional[Callable[[], torch.Tensor]]):
         t = torch.Tensor._make_subclass(cls, value.detach(), False)
-        t._origin, t._make, t._copy = origin, make, None
+        t._origin, t._make, t._copy, t._zero3 = origin, make, None, None
         return t
 
     def batched(self) -> torch.Tensor:
@@ -87,6 +87,8 @@ class Shared(torch.Tensor):
         if _in_place(func):  # before it runs: it would write the parameter, or apply twice at a broadcast
             raise _refusal(origin, f"an in-place operation ({func.__name__}) involves it: write it out of place "
                                    "(x = x + p, not x += p)")
+        if func is torch.Tensor.detach and shared[0]._zero3 is not None and not torch.is_grad_enabled():
+            return _zero3_wrapped(shared[0])
         others = [a for a in flat_args if isinstance(a, torch.Tensor) and not isinstance(a, Shared)]
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
@@ -224,7 +226,7 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     b = engine.expected_batch_size if layout is None else layout.rows
     if not hook.__dict__.get("shared_indices"):
         if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point() or b is None
-                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b)) or _zero3(hook)):
+                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))):
             return None
         hook.shared_indices = True
     if not engine.clipping_now():
@@ -238,23 +240,34 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     copy = hook.run(rows, hook.rule.params(hook.module), extra)  # (B, *x.shape, d): example i's in row i
     origin = Origin(hook, b, check=not hook.__dict__.get("verified"))
     hook.verified = hook.__dict__.get("verified") or b >= 2
-    return Shared(copy[0], origin, lambda: copy)
+    value = Shared(copy[0], origin, lambda: copy)
+    if _zero3(hook) and hasattr(hook.module, "pre_bwd_fn"):
+        value._zero3 = hook.module  # DeepSpeed's forward hook is next: _zero3_wrapped
+    return value
 
 
 def mark_shared_indices(failures: list) -> set:
     """The layout check's layers looking indices up (``nn.Embedding``) whose indices came out the same whatever
     the examples (``"shared"``: T5's ``(L, L)`` buckets when L equals B, which only their shape made look batch
     first): marked, so that every later call of them, the check's next run included, is a shared value."""
-    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook) and h.rule.broadcast_batch
-              and not _zero3(h)}
+    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook) and h.rule.broadcast_batch}
     for h in marked:
         h.shared_indices = True
     return marked
 
 
+def _zero3_wrapped(value: Shared) -> Shared:
+    """ZeRO-3's hook after the layer's forward passes its output through DeepSpeed's ``pre_bwd_fn`` (forward:
+    ``output.detach()``, with gradients off, as in any ``autograd.Function``; backward: gather the layer's weight,
+    then pass the gradient on). The copy of a shared value is made later, at the broadcast point, and its gradient
+    reaches the layer's backward without that output: the detach would cut it, and the weight would not be gathered
+    when the layer's backward (the engine's site) runs. So the first detach after the layer's forward (once:
+    ``value._zero3`` is cleared) gives the same value whose copy goes through ``pre_bwd_fn`` itself: its backward
+    gathers the weight, and the site returns the clipped sum to the gathered parameter, as for any layer."""
+    module, value._zero3 = value._zero3, None
+    return Shared(_plain(value), value._origin, lambda: module.pre_bwd_fn.apply(value.batched()))
+
+
 def _zero3(hook) -> bool:
-    """The layer's trainable parameters are ZeRO-3's: its output on shared indices would be used after the
-    module's forward, where ZeRO-3 no longer holds its weight gathered, and in the tests its clipped sum did not
-    reach the optimizer's partition. Such a call stays refused as before (the layer's batch check and the
-    layout check: freeze it, or give (1, T) indices, which every rule broadcasts per example)."""
+    """The layer's trainable parameters are ZeRO-3's (partitioned outside its forward and backward)."""
     return any(hasattr(p, "ds_id") for p in hook.rule.params(hook.module) if p is not None and p.requires_grad)
