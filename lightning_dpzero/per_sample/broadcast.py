@@ -32,6 +32,7 @@ broadcast point's output like a layer's input (a dimension that only happens to 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -87,7 +88,7 @@ class Shared(torch.Tensor):
         if _in_place(func):  # before it runs: it would write the parameter, or apply twice at a broadcast
             raise _refusal(origin, f"an in-place operation ({func.__name__}) involves it: write it out of place "
                                    "(x = x + p, not x += p)")
-        if func is torch.Tensor.detach and shared[0]._zero3 is not None and not torch.is_grad_enabled():
+        if func is torch.Tensor.detach and _in_zero3_output_hook():
             return _zero3_wrapped(shared[0])
         others = [a for a in flat_args if isinstance(a, torch.Tensor) and not isinstance(a, Shared)]
         with torch._C.DisableTorchFunctionSubclass():
@@ -256,15 +257,30 @@ def mark_shared_indices(failures: list) -> set:
     return marked
 
 
+#: the autograd functions ZeRO-3's hooks apply to each output (before its backward: gather the module's weights)
+#: and each positional input (after its backward: release them) of a module; their forward is ``x.detach()``
+_ZERO3_HOOK_FORWARDS = ("PreBackwardFunctionForModule.forward", "PostBackwardFunctionModule.forward")
+
+
+def _in_zero3_output_hook() -> bool:
+    """The caller of ``detach`` (this function's caller's caller: ``detach`` is a C method) is the forward of one
+    of ZeRO-3's hook functions (``_ZERO3_HOOK_FORWARDS``, DeepSpeed's ``parameter_offload.py``)."""
+    code = sys._getframe(2).f_code
+    return "deepspeed" in code.co_filename and code.co_qualname.endswith(_ZERO3_HOOK_FORWARDS)
+
+
 def _zero3_wrapped(value: Shared) -> Shared:
-    """ZeRO-3's hook after the layer's forward passes its output through DeepSpeed's ``pre_bwd_fn`` (forward:
-    ``output.detach()``, with gradients off, as in any ``autograd.Function``; backward: gather the layer's weight,
-    then pass the gradient on). The copy of a shared value is made later, at the broadcast point, and its gradient
-    reaches the layer's backward without that output: the detach would cut it, and the weight would not be gathered
-    when the layer's backward (the engine's site) runs. So the first detach after the layer's forward (once:
-    ``value._zero3`` is cleared) gives the same value whose copy goes through ``pre_bwd_fn`` itself: its backward
-    gathers the weight, and the site returns the clipped sum to the gathered parameter, as for any layer."""
+    """ZeRO-3's hook after a module's forward passes each output through DeepSpeed's ``pre_bwd_fn`` (forward:
+    ``output.detach()``; backward: gather the module's weights, then pass the gradient on), and its hook before
+    the forward each positional input through ``post_bwd_fn`` (T5's position bias, handed from block to block). A
+    shared value's gradient does not flow through the value but through its copy, made later at the broadcast
+    point: the detach would cut it (silently: the parameter would get no gradient). So a shared value that enters
+    or leaves a module keeps its copy; and the output of the layer that looked up shared indices (``value._zero3``: that layer, consumed once)
+    gets a copy through the layer's own ``pre_bwd_fn``, so that its backward gathers the weight before the site's
+    backward returns the clipped sum to it, as for any layer."""
     module, value._zero3 = value._zero3, None
+    if module is None:
+        return Shared(_plain(value), value._origin, value.batched)
     return Shared(_plain(value), value._origin, lambda: module.pre_bwd_fn.apply(value.batched()))
 
 
