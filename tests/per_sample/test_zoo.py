@@ -25,8 +25,9 @@ import zoo  # noqa: E402
 B, C = 4, 0.5
 FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "nanogpt"]
 #: models with parameters used directly in the forward (or an embedding on indices shared by every example)
-DIRECT = ["clip_vision", "convnext", "nanogpt", "t5"] + (["mamba"] if zoo.has_mamba() else [])
-DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias")
+DIRECT = ["clip_vision", "convnext", "nanogpt", "t5", "swin"] + (["mamba"] if zoo.has_mamba() else [])
+DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias",
+                "relative_position_bias_table")
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 #: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
 #: Swin's window attention
