@@ -65,16 +65,18 @@ def _moe(family: str):
 
 def _swin():
     """Swin: window attention on (B·windows, window², C) rows from view → permute → view, every second block on
-    shifted windows (torch.roll, and the window mask expanded over the batch). Its relative position bias table (a
-    module with no input whose (1, heads, N, N) output the attention broadcasts over the windows) is frozen: no
-    rule clips it yet."""
+    shifted windows (torch.roll, and the window mask expanded over the batch). Each block's relative position bias
+    table, a parameter used directly, indexed and added as (1, heads, N, N) to the (B·windows, heads, N, N)
+    attention scores, trains per example through the scores' row map (broadcast.py)."""
     import transformers as tf
 
     model = tf.SwinForImageClassification(tf.SwinConfig(
         image_size=8, patch_size=1, num_channels=1, embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=2,
         num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0))
-    for n, p in model.named_parameters():
-        p.requires_grad_("relative_position_bias_table" not in n)
+    with torch.no_grad():  # HF initialises the tables to zeros: make each entry's gradient its own
+        for n, p in model.named_parameters():
+            if "relative_position_bias_table" in n:
+                p.normal_()
     return model
 
 

@@ -32,12 +32,14 @@ broadcast point's output like a layer's input (a dimension that only happens to 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .base import LayerHook, UnsupportedLayerError
+from .provenance import Rows, mark, rows_of
 
 #: perturbation rounds of the once-per-module locality check of a broadcast point (2 * CHECK_BITS recomputations)
 CHECK_BITS = 6
@@ -45,10 +47,10 @@ CHECK_BITS = 6
 
 class BroadcastUse:
     """The broadcast points of one hook's shared values as the layout check records them (one per hook, so both
-    of its forwards name the same caller): duck-typed as a hook, ``module``, ``name`` and ``rule``."""
+    of its forwards name the same caller): duck-typed as a hook, ``engine``, ``module``, ``name`` and ``rule``."""
 
     def __init__(self, hook):
-        self.module, self.name, self.rule = hook.module, hook.name, hook.rule
+        self.engine, self.module, self.name, self.rule = hook.engine, hook.module, hook.name, hook.rule
 
 
 class Origin:
@@ -68,7 +70,7 @@ class Shared(torch.Tensor):
     @staticmethod
     def __new__(cls, value: torch.Tensor, origin: Origin, make: Optional[Callable[[], torch.Tensor]]):
         t = torch.Tensor._make_subclass(cls, value.detach(), False)
-        t._origin, t._make, t._copy = origin, make, None
+        t._origin, t._make, t._copy, t._zero3 = origin, make, None, None
         return t
 
     def batched(self) -> torch.Tensor:
@@ -87,14 +89,16 @@ class Shared(torch.Tensor):
         if _in_place(func):  # before it runs: it would write the parameter, or apply twice at a broadcast
             raise _refusal(origin, f"an in-place operation ({func.__name__}) involves it: write it out of place "
                                    "(x = x + p, not x += p)")
+        if func is torch.Tensor.detach and _in_zero3_output_hook():
+            return _zero3_wrapped(shared[0])
         others = [a for a in flat_args if isinstance(a, torch.Tensor) and not isinstance(a, Shared)]
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
             if not isinstance(out, (torch.Tensor, tuple, list)):
                 return out  # a shape, a dtype, a Python number
             b = origin.b if origin.b is not None else (origin.record.rows if origin.record is not None else None)
-            if isinstance(out, torch.Tensor) and _broadcast_point(out, shared, b):
-                return _at_broadcast(func, args, kwargs, out, shared, origin, b)
+            if isinstance(out, torch.Tensor) and (rows := _broadcast_point(func, out, shared, others, b)) is not None:
+                return _at_broadcast(func, args, kwargs, out, shared, origin, b, rows)
             if any(a.requires_grad for a in others) and torch.is_grad_enabled():
                 raise _refusal(origin, f"{getattr(func, '__name__', func)} combines it with a tensor that has a "
                                        "gradient without broadcasting it over the batch (the output's first dimension "
@@ -118,9 +122,54 @@ def _plain(a):
     return a.as_subclass(torch.Tensor) if isinstance(a, Shared) else a
 
 
-def _broadcast_point(out: torch.Tensor, shared: list, b: Optional[int]) -> bool:
-    return (b is not None and out.dim() >= 1 and out.shape[0] == b
-            and all(s.dim() < out.dim() or s.shape[0] == 1 for s in shared))
+#: operations that broadcast a shared value over the batch with no batch-first operand (CLIP's
+#: ``class_embedding.expand(B, 1, -1)``)
+_EXPANSIONS = {"expand", "broadcast_to", "repeat"}
+
+
+def _broadcast_point(func, out: torch.Tensor, shared: list, others: list, b: Optional[int]) -> Optional[Rows]:
+    """Whether ``out`` is a broadcast point, as its rows' examples (``None``: it is none). Its rows are the examples,
+    ``Rows(b)``, where its first dimension is the micro-batch and it is computed with a batch-first floating
+    operand or by an expansion (``_EXPANSIONS``; a reshape of Swin's bias table to ``(N, N, heads)`` is none when
+    N equals B); else they are the row map of an operand of as many dimensions whose first dimension is the
+    output's rows (token-major rows ``(B·m, ...)``: Swin's ``(B·windows, heads, N, N)`` attention scores,
+    ``provenance.py``). Each shared input must have fewer dimensions than the output or a first dimension 1; with
+    token-major rows it may also have the output's rows, aligned with them (:func:`_row_aligned`: Swin's bias
+    plus its shifted-window mask, ``(B·windows, heads, N, N)``, the same for every example)."""
+    if b is None or out.dim() < 1:
+        return None
+    rows = None
+    if out.shape[0] == b and (getattr(func, "__name__", "") in _EXPANSIONS or any(
+            t.is_floating_point() and t.dim() >= 1 and t.shape[0] == b for t in others)):
+        rows = Rows(b)  # against batch-first activations, or expanded: not a reshape whose first dimension is b
+    for t in others if rows is None else ():
+        mapped = rows_of(t)
+        if mapped is not None and mapped.b == b and t.dim() == out.dim() and t.shape[0] == mapped.rows == out.shape[0]:
+            rows = mapped
+            break
+    if rows is None:
+        return None
+    for s in shared:
+        if not (s.dim() < out.dim() or s.shape[0] == 1 or (_token_major(rows) and _row_aligned(func, s, out))):
+            return None
+    return rows
+
+
+def _token_major(rows: Rows) -> bool:
+    return not (rows.blocks and rows.m == 1)
+
+
+def _row_aligned(func, s: torch.Tensor, out: torch.Tensor) -> bool:
+    """Row r of ``out`` reads row r of ``s`` only: ``s`` has the output's rows and broadcasts to its shape
+    (elementwise operations), or is the attention mask of ``scaled_dot_product_attention``."""
+    if s.dim() != out.dim() or s.shape[0] != out.shape[0]:
+        return False
+    if func is torch.nn.functional.scaled_dot_product_attention:
+        return True
+    try:
+        return tuple(torch.broadcast_shapes(s.shape, out.shape)) == tuple(out.shape)
+    except RuntimeError:
+        return False
 
 
 def layout_copy(value: torch.Tensor, record) -> Callable[[], torch.Tensor]:
@@ -160,27 +209,42 @@ def _shaped(copy: torch.Tensor, s: torch.Tensor, out_dim: int) -> torch.Tensor:
     return copy.reshape(copy.shape[0], *s.shape[1:])
 
 
-def _substituted(func, args, kwargs, shared: list, copies: list, out_dim: int):
-    sub = {id(s): _shaped(c, s, out_dim) for s, c in zip(shared, copies)}
+def _row_copies(copy: torch.Tensor, s: torch.Tensor, out_dim: int, ex: torch.Tensor) -> torch.Tensor:
+    """Token-major rows ``ex`` (each row's example): row r of ``s``'s substitute is example ex[r]'s copy (its
+    row r where ``s`` has the output's rows)."""
+    if s.dim() == out_dim and s.shape[0] == ex.shape[0] and s.shape[0] != 1:
+        return copy[ex, torch.arange(ex.shape[0], device=ex.device)]
+    return _shaped(copy, s, out_dim).index_select(0, ex)
+
+
+def _substituted(func, args, kwargs, shared: list, copies: list, out_dim: int, rows: Rows):
+    """``func`` with each shared value replaced by its copy, row r of the output reading the copy of its example
+    (``rows``: index_select's backward sums each example's rows into its copy's gradient)."""
+    ex = rows.examples(copies[0].device) if _token_major(rows) else None
+    sub = {id(s): _shaped(c, s, out_dim) if ex is None else _row_copies(c, s, out_dim, ex)
+           for s, c in zip(shared, copies)}
     a, kw = tree_map(lambda t: sub[id(t)] if isinstance(t, Shared) else t, (args, kwargs))
     with torch._C.DisableTorchFunctionSubclass():
         return func(*a, **kw)
 
 
-def _at_broadcast(func, args, kwargs, out: torch.Tensor, shared: list, origin: Origin, b: int) -> torch.Tensor:
+def _at_broadcast(func, args, kwargs, out: torch.Tensor, shared: list, origin: Origin, b: int, rows: Rows
+                  ) -> torch.Tensor:
     """The broadcast point: the output computed from the per-example copies (see the module docstring); in the
-    layout check, the plain output, recorded."""
+    layout check, that output (of tagged copies), recorded."""
     copies = [s.batched() for s in shared]
-    res = _substituted(func, args, kwargs, shared, copies, out.dim())
-    if origin.b is None:  # the layout check: this output must be batch first and per example
+    res = _substituted(func, args, kwargs, shared, copies, out.dim(), rows)
+    if origin.b is None:  # the layout check: this output must be batch first (or its rows mapped) and per example
+        if _token_major(rows):
+            mark(res, rows)
         origin.record.record(origin.hook.broadcast_use, (res,), {})
         return res
     if origin.check and b >= 2:
-        _check(func, args, kwargs, out, res, shared, copies, origin, b)
+        _check(func, args, kwargs, out, res, shared, copies, origin, b, rows)
     return res
 
 
-def _check(func, args, kwargs, out, res, shared, copies, origin, b) -> None:
+def _check(func, args, kwargs, out, res, shared, copies, origin, b, rows) -> None:
     """Once per module: the output equals the original, and perturbing the copies of a set S of examples changes
     no row outside S (for S and its complement on each of ``CHECK_BITS`` bits of a fixed permutation)."""
     if not isinstance(res, torch.Tensor) or res.shape != out.shape or not torch.allclose(
@@ -197,8 +261,8 @@ def _check(func, args, kwargs, out, res, shared, copies, origin, b) -> None:
                     noise = torch.randn(c.shape, generator=gen).to(c.device, c.dtype)
                     scale = c.detach().float().abs().mean() + 1
                     moved.append(c.detach() + noise * scale * chosen.to(c.device).view(-1, *[1] * (c.dim() - 1)))
-                new = _substituted(func, args, kwargs, shared, moved, out.dim())
-                keep = (~chosen).to(out.device)
+                new = _substituted(func, args, kwargs, shared, moved, out.dim(), rows)
+                keep = (~chosen).to(out.device)[rows.examples(out.device)]
                 if not torch.allclose(new[keep].float(), res.detach()[keep].float(), rtol=1e-4, atol=1e-6):
                     raise _refusal(origin, f"in {getattr(func, '__name__', func)} an example's output reads another "
                                            "example's copy")
@@ -224,7 +288,7 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     b = engine.expected_batch_size if layout is None else layout.rows
     if not hook.__dict__.get("shared_indices"):
         if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point() or b is None
-                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b)) or _zero3(hook)):
+                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))):
             return None
         hook.shared_indices = True
     if not engine.clipping_now():
@@ -238,23 +302,49 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     copy = hook.run(rows, hook.rule.params(hook.module), extra)  # (B, *x.shape, d): example i's in row i
     origin = Origin(hook, b, check=not hook.__dict__.get("verified"))
     hook.verified = hook.__dict__.get("verified") or b >= 2
-    return Shared(copy[0], origin, lambda: copy)
+    value = Shared(copy[0], origin, lambda: copy)
+    if _zero3(hook) and hasattr(hook.module, "pre_bwd_fn"):
+        value._zero3 = hook.module  # DeepSpeed's forward hook is next: _zero3_wrapped
+    return value
 
 
 def mark_shared_indices(failures: list) -> set:
     """The layout check's layers looking indices up (``nn.Embedding``) whose indices came out the same whatever
     the examples (``"shared"``: T5's ``(L, L)`` buckets when L equals B, which only their shape made look batch
     first): marked, so that every later call of them, the check's next run included, is a shared value."""
-    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook) and h.rule.broadcast_batch
-              and not _zero3(h)}
+    marked = {h for h, cause in failures if cause == "shared" and isinstance(h, LayerHook) and h.rule.broadcast_batch}
     for h in marked:
         h.shared_indices = True
     return marked
 
 
+#: the autograd functions ZeRO-3's hooks apply to each output (before its backward: gather the module's weights)
+#: and each positional input (after its backward: release them) of a module; their forward is ``x.detach()``
+_ZERO3_HOOK_FORWARDS = ("PreBackwardFunctionForModule.forward", "PostBackwardFunctionModule.forward")
+
+
+def _in_zero3_output_hook() -> bool:
+    """The caller of ``detach`` (this function's caller's caller: ``detach`` is a C method) is the forward of one
+    of ZeRO-3's hook functions (``_ZERO3_HOOK_FORWARDS``, DeepSpeed's ``parameter_offload.py``)."""
+    code = sys._getframe(2).f_code
+    return "deepspeed" in code.co_filename and code.co_qualname.endswith(_ZERO3_HOOK_FORWARDS)
+
+
+def _zero3_wrapped(value: Shared) -> Shared:
+    """ZeRO-3's hook after a module's forward passes each output through DeepSpeed's ``pre_bwd_fn`` (forward:
+    ``output.detach()``; backward: gather the module's weights, then pass the gradient on), and its hook before
+    the forward each positional input through ``post_bwd_fn`` (T5's position bias, handed from block to block). A
+    shared value's gradient does not flow through the value but through its copy, made later at the broadcast
+    point: the detach would cut it (silently: the parameter would get no gradient). So a shared value that enters
+    or leaves a module keeps its copy; and the output of the layer that looked up shared indices (``value._zero3``: that layer, consumed once)
+    gets a copy through the layer's own ``pre_bwd_fn``, so that its backward gathers the weight before the site's
+    backward returns the clipped sum to it, as for any layer."""
+    module, value._zero3 = value._zero3, None
+    if module is None:
+        return Shared(_plain(value), value._origin, value.batched)
+    return Shared(_plain(value), value._origin, lambda: module.pre_bwd_fn.apply(value.batched()))
+
+
 def _zero3(hook) -> bool:
-    """The layer's trainable parameters are ZeRO-3's: its output on shared indices would be used after the
-    module's forward, where ZeRO-3 no longer holds its weight gathered, and in the tests its clipped sum did not
-    reach the optimizer's partition. Such a call stays refused as before (the layer's batch check and the
-    layout check: freeze it, or give (1, T) indices, which every rule broadcasts per example)."""
+    """The layer's trainable parameters are ZeRO-3's (partitioned outside its forward and backward)."""
     return any(hasattr(p, "ds_id") for p in hook.rule.params(hook.module) if p is not None and p.requires_grad)

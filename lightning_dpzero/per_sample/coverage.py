@@ -23,6 +23,8 @@ The guard on every covered parameter (I5 at run time) is installed here too.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Optional
 
 import torch
@@ -127,12 +129,24 @@ def attach_hooks(engine, module: nn.Module, refused: Optional[dict[int, tuple[st
         scalar = any(mod._parameters[n].dim() == 1 for n in own)
         # next to trainable children, a parameter of any shape is traced to where the forward broadcasts it
         direct = [n for n in own if id(mod._parameters[n]) not in covered] if not leaf else views
-        if not has_registered_base(mod) and (not leaf or set(own) <= set(candidates) and not scalar):
+        if leaf and not has_registered_base(mod) and _input_free(mod):
+            # a module whose forward takes no input (Swin's relative position bias: its table indexed and
+            # reshaped) computes the same value for every example: traced to where the forward broadcasts it
+            install(ParameterHook(engine, mod, name or "<root>", own, shared=True))
+        elif not has_registered_base(mod) and (not leaf or set(own) <= set(candidates) and not scalar):
             if direct:
                 install(ParameterHook(engine, mod, name or "<root>", direct))
         elif leaf:
             install(GenericHook(engine, mod, name or type(mod).__name__, own))
     return hooks, covered, owned
+
+
+def _input_free(mod: nn.Module) -> bool:
+    """``mod.forward`` takes no argument: its output cannot depend on the examples."""
+    try:
+        return not inspect.signature(mod.forward).parameters
+    except (TypeError, ValueError):  # a forward with no signature Python can read
+        return False
 
 
 def has_rule_or_owner(mod: nn.Module, owned: set[int]) -> bool:

@@ -108,13 +108,14 @@ class ParameterHook(LayerHook):
     """Wraps ``module.forward`` (an instance attribute) to swap its direct parameters for per-example views
     while the engine clips; see the module docstring."""
 
-    def __init__(self, engine, module: nn.Module, name: str, names: list[str]):
+    def __init__(self, engine, module: nn.Module, name: str, names: list[str], shared: bool = False):
         self.params_ = [module._parameters[n] for n in names]
         super().__init__(engine, module, name, BroadcastParameterRule(names, self.params_))
         self.verified = False
-        # a parameter not of shape (1, ...) (ConvNeXt's layer scale (C,), CLIP's class embedding (d,)) is given to
-        # the forward as a shared value, traced to where the forward broadcasts it (broadcast.py)
-        self.shared = any(p.dim() == 0 or p.shape[0] != 1 for p in self.params_)
+        # a parameter not of shape (1, ...) (ConvNeXt's layer scale (C,), CLIP's class embedding (d,)), or any
+        # parameter of a module whose forward takes no input (``shared``), is given to the forward as a shared
+        # value, traced to where the forward broadcasts it (broadcast.py)
+        self.shared = shared or any(p.dim() == 0 or p.shape[0] != 1 for p in self.params_)
 
     def __call__(self, *args, **kwargs):
         eng = self.engine

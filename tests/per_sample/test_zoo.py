@@ -25,8 +25,9 @@ import zoo  # noqa: E402
 B, C = 4, 0.5
 FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "nanogpt"]
 #: models with parameters used directly in the forward (or an embedding on indices shared by every example)
-DIRECT = ["clip_vision", "convnext", "nanogpt", "t5"] + (["mamba"] if zoo.has_mamba() else [])
-DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias")
+DIRECT = ["clip_vision", "convnext", "nanogpt", "t5", "swin"] + (["mamba"] if zoo.has_mamba() else [])
+DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias",
+                "relative_position_bias_table")
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 #: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
 #: Swin's window attention
@@ -207,4 +208,17 @@ def test_torch_transformer_modules_train_on_zero3_with_two_processes_and_match_t
                   clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
              for k, clip in (("torch_encoder_lm", "all-layer"), ("torch_padded", "layer-wise"),
                              ("torch_seq2seq", "layer-wise"))]
+    _match_the_replay(cases, tmp_path)
+
+
+@pytest.mark.slow
+def test_embeddings_on_shared_indices_train_on_zero3_with_two_processes_and_match_the_replay(tmp_path):
+    """nanoGPT's ``wpe(torch.arange(T))`` and T5's trainable relative attention bias (embeddings on indices shared by
+    every example, their outputs broadcast over the batch after the layer's forward) on ZeRO-3 with 2 processes and
+    Poisson micro-batches of 0 to several examples (σ = 0), all-layer and layer-wise: equal to the single-process
+    replay from per-example gradients."""
+    cases = [dict(name=f"zoo_{k}_{clip}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
+             for k, clip in (("nanogpt", "all-layer"), ("nanogpt", "layer-wise"), ("t5", "layer-wise"),
+                             ("t5", "all-layer"))]
     _match_the_replay(cases, tmp_path)
