@@ -7,7 +7,7 @@ to ``benchmarks/results/correlated_noise.json`` (``--out``) and a Markdown table
 
 Usage::
 
-    python -m benchmarks.correlated_noise [--epsilons 1 2 8] [--bands 4 12] [--seeds 3] [--epochs 20]
+    python -m benchmarks.correlated_noise [--epsilons 1 2 8] [--bands 4 8] [--seeds 3] [--epochs 20]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run_digits(epsilon: float, seed: int, epochs: int, bands: int | None) -> dic
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 8.0])
-    ap.add_argument("--bands", type=int, nargs="+", default=[4, 12])
+    ap.add_argument("--bands", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--out", type=Path, default=OUT)
