@@ -43,10 +43,12 @@ class DPMechanism(PlanAndData, LossChecks):
         max_micro_batch_size: b, the most examples one micro-batch may hold (None: unbounded): larger Poisson
             draws are truncated, at a cost in δ the plan and the ledger account (docs/privacy.md, *Bounded
             micro-batches*).
-        privacy_unit, max_examples_per_user: user-level DP (docs/how-to/user-level-dp.md).
-        noise_mechanism, bands: ``"dp-sgd"`` (default) or ``"banded-mf"`` with b bands: correlated noise over
+        privacy_unit: ``"example"`` (default) or ``"user"``: user-level DP (docs/how-to/user-level-dp.md).
+        max_examples_per_user: k, the rows a sampled user contributes (``privacy_unit="user"`` only).
+        noise_mechanism: ``"dp-sgd"`` (default) or ``"banded-mf"``: noise correlated over ``bands`` steps with
             cyclic Poisson sampling (:class:`~lightning_dpzero.banded_mf.CorrelatedNoise`,
             docs/how-to/correlated-noise.md).
+        bands: b, for ``"banded-mf"``.
 
     Raises:
         ValueError: σ negative or not finite; σ > 0 with C = inf; b not an integer >= 1; what
