@@ -336,14 +336,3 @@ def test_position_indices_without_a_batch_dimension_match_the_oracle(b):
     engine.detach()
     _check(model, x, y, C=0.05)
     assert model.pos.weight.grad.abs().sum() > 0
-
-
-def test_under_zero3_an_embedding_on_shared_indices_stays_refused():
-    """ZeRO-3 holds the weight gathered only during the module's forward, and the shared value is used after it:
-    refused as before (the fix: (1, T) indices, broadcast per example by the layer's rule, or freezing it)."""
-    model = NanoPos()
-    model.pos.weight.ds_id = 0  # as DeepSpeed's ZeRO-3 marks its parameters
-    engine = PerSampleEngine(model).attach()
-    with pytest.raises(UnsupportedLayerError, match=r"Embedding 'pos' received indices of shape \(4,\).*\[None\]"):
-        with engine.micro_batch(batch_size=3):
-            model(torch.randint(0, 10, (3, 4)))
