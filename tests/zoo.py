@@ -233,8 +233,8 @@ class Classifier(nn.Module):
 
 
 def _frozen_bias(model: nn.Module) -> nn.Module:
-    """T5 with its relative attention bias frozen: under ZeRO-3, an embedding on indices shared by every example
-    is still refused."""
+    """T5 with its relative attention bias frozen (the fixed-size ZeRO-3 launch; the bias trains on ZeRO-3 in
+    test_embeddings_on_shared_indices_train_on_zero3_with_two_processes_and_match_the_replay)."""
     for n, p in model.named_parameters():
         p.requires_grad_("relative_attention_bias" not in n)
     return model
@@ -256,7 +256,7 @@ ZOO = {
     "llama_checkpointed": (lambda: LM(_checkpointed(_decoder("llama"))), "lm"),
     "mistral": (lambda: LM(_decoder("mistral")), "lm"),
     "t5": (lambda: Seq2Seq(_t5()), "seq2seq"),
-    "t5_frozen_bias": (lambda: _frozen_bias(Seq2Seq(_t5())), "seq2seq"),  # ZeRO-3: its bias stays refused
+    "t5_frozen_bias": (lambda: _frozen_bias(Seq2Seq(_t5())), "seq2seq"),
     "bert": (lambda: Classifier(_bert(), "input_ids"), "cls"),
     "vit": (lambda: Classifier(_vit(), "pixel_values"), "image"),
     "wav2vec2": (lambda: Classifier(_wav2vec2(), "input_values"), "audio"),

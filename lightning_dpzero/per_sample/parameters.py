@@ -116,9 +116,16 @@ class ParameterHook(LayerHook):
         # parameter of a module whose forward takes no input (``shared``), is given to the forward as a shared
         # value, traced to where the forward broadcasts it (broadcast.py)
         self.shared = shared or any(p.dim() == 0 or p.shape[0] != 1 for p in self.params_)
+        self.input_free = shared
 
     def __call__(self, *args, **kwargs):
         eng = self.engine
+        if self.input_free and any(hasattr(p, "ds_id") for p in self.params_ if p.requires_grad):
+            # its output is computed from the parameters at the broadcast point, after the module's forward, when
+            # ZeRO-3 no longer holds them gathered (not supported yet)
+            raise self._refusal("ZeRO-3 partitions them after this module's forward, before the attention that "
+                                "broadcasts its output uses them (a module whose forward takes no input, e.g. "
+                                "Swin's relative position bias, trains on ZeRO stages 0-2 only)")
         if not eng.clipping_now():
             eng._record_call(self, args, kwargs)
             if self.shared and eng._layout is not None:  # the layout check records its broadcast points
