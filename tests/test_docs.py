@@ -62,12 +62,12 @@ def docstring_first_line(path: Path, name: str) -> str:
 
 def test_api_reference_renders_docstrings(site):
     strategy = text_of(site / "api" / "strategy" / "index.html")
-    summary = docstring_first_line(ROOT / "lightning_dpzero" / "strategy.py", "DPDeepSpeedStrategy")
+    summary = docstring_first_line(ROOT / "lightning_dpzero" / "lightning" / "strategy.py", "DPDeepSpeedStrategy")
     assert summary in strategy
     for param in ("noise_multiplier", "max_grad_norm", "clipping_fn", "poisson_sampling"):
         assert param in strategy, param
     callback = text_of(site / "api" / "callback" / "index.html")
-    assert docstring_first_line(ROOT / "lightning_dpzero" / "callback.py", "PrivacyAccountantCallback") in callback
+    assert docstring_first_line(ROOT / "lightning_dpzero" / "lightning" / "callback.py", "PrivacyAccountantCallback") in callback
     assert "target_epsilon" in callback and "ClipFraction" in callback and "MeanGradNorm" in callback
     accounting = text_of(site / "api" / "accounting" / "index.html")
     assert "calibrate_noise_multiplier" in accounting and "PrivacyLedger" in accounting
