@@ -17,7 +17,8 @@ import traceback
 from types import TracebackType
 from typing import Optional
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: the package's root folder (this file is in its lightning/ folder): a frame in any of its modules counts
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _rank = 0
 
 

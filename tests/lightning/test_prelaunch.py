@@ -204,3 +204,18 @@ def test_a_refusal_on_the_ranks_of_a_fabric_run_prints_once_message_first(tmp_pa
     assert rc != 0
     _once_and_first(lines, "lightning_dpzero.per_sample.base.UnsupportedLayerError: ")
     assert "stopped: UnsupportedLayerError (rank 0 prints the message)" in lines
+
+
+def test_a_refusal_raised_in_any_folder_of_the_package_is_one():
+    """The refusal report recognises the package's own exceptions wherever they are raised (the per-example engine,
+    the options, the strategy), not only next to the report's own file."""
+    from lightning_dpzero.lightning.refusal_report import is_refusal
+    from lightning_dpzero.util.options import LossReduction, check_option
+
+    with pytest.raises(ValueError) as raised:
+        check_option("loss_reduction", "avg", LossReduction)
+    assert is_refusal(raised.value)
+    try:
+        raise ValueError("a user's own error")
+    except ValueError as exc:
+        assert not is_refusal(exc)
