@@ -96,19 +96,22 @@ def _load(out: Path, header: dict) -> dict:
 
 
 def sweep(run: Callable[..., dict], epsilons: list[float], mechanisms: list[str], seeds: int, out: Path,
-          header: dict) -> dict:
+          header: dict, redo: bool = False) -> dict:
     """Runs ``run(epsilon, seed, noise_mechanism, bands)`` for every seed 0..seeds-1, ε and mechanism, merging each
     result into ``out`` (JSON) as it comes: rows keyed by (ε, mechanism), runs within a row by seed, so a rerun of
-    some keeps all the others. ``header`` (benchmark, model, setting) must match the file's; returns the file's
-    content. Prints one line per run and the Markdown table of all rows at the end."""
+    some keeps all the others. A (ε, mechanism, seed) already in the file is skipped unless ``redo`` (so a sweep cut
+    short resumes). ``header`` (benchmark, model, setting) must match the file's; returns the file's content.
+    Prints one line per run and the Markdown table of all rows at the end."""
     parsed = [(spec, *parse_mechanism(spec)) for spec in mechanisms]  # bad specs fail before any run
     result = _load(out, header)
     # seed outermost: a sweep cut short still has every (ε, mechanism) cell, with fewer seeds
     for seed in range(seeds):
         for eps in epsilons:
             for spec, name, bands in parsed:
-                got = {"seed": seed, **run(eps, seed, name, bands)}
                 row = next((r for r in result["rows"] if r["target_epsilon"] == eps and r["mechanism"] == spec), None)
+                if row is not None and not redo and any(r["seed"] == seed for r in row["runs"]):
+                    continue
+                got = {"seed": seed, **run(eps, seed, name, bands)}
                 if row is None:
                     row = {"target_epsilon": eps, "mechanism": spec, "noise_mechanism": name, "bands": bands,
                            "runs": []}
@@ -140,6 +143,7 @@ def add_sweep_arguments(ap: argparse.ArgumentParser, out: Path) -> argparse.Argu
                     help="dp-sgd or NAME:K (noise_mechanism=NAME, bands=K), e.g. dp-sgd banded-mf:4")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..seeds-1 (weights, noise and sampling)")
     ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--redo", action="store_true", help="rerun the runs --out already holds (default: skip them)")
     return ap
 
 
@@ -150,7 +154,7 @@ def main(argv=None) -> dict:
     header = {"benchmark": "correlated_noise", "model": "digits CNN (examples/digits.py)",
               "setting": {"epochs": args.epochs, "batch_size": 128, "devices": 1, "stage": 0, "delta": 1e-5}}
     return sweep(lambda eps, seed, name, bands: run_digits(eps, seed, name, bands, args.epochs),
-                 args.epsilons, args.mechanisms, args.seeds, args.out, header)
+                 args.epsilons, args.mechanisms, args.seeds, args.out, header, args.redo)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
     header = {"benchmark": "correlated_noise_minilm",
               "model": "all-MiniLM-L6-v2 + LoRA r=8 (examples/minilm_lora.py)", "setting": setting}
     return sweep(lambda eps, seed, name, bands: run_minilm(eps, seed, name, bands, setting),
-                 args.epsilons, args.mechanisms, args.seeds, args.out, header)
+                 args.epsilons, args.mechanisms, args.seeds, args.out, header, args.redo)
 
 
 if __name__ == "__main__":
