@@ -1,6 +1,6 @@
 """Correlated noise through the Trainer (``noise_mechanism="banded-mf"``): the released noise's covariance over
 steps, b = 1 as DP-SGD, the ε of the equivalent rounds, cyclic parts, resume mid-band, and the refusals
-(``banded_mf.CorrelatedNoise``, ``sampling/cyclic.py``, ``accounting/banded.py``)."""
+(``mechanism.correlated.CorrelatedNoise``, ``sampling/cyclic.py``, ``accounting/banded.py``)."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_a_resume_with_another_mechanism_or_bands_is_refused(tmp_path, now, matc
     ({"noise_mechanism": "banded-mf", "bands": 4, "privacy_unit": "user", "max_examples_per_user": 1},
      "privacy_unit='user'"),
     ({"noise_mechanism": "banded-mf", "bands": 0}, "bands=0"),
-    ({"noise_mechanism": "blt", "bands": 4}, "noise_mechanism='blt' is not supported"),
+    ({"noise_mechanism": "blt", "bands": 1}, "bands=b >= 2"),
 ])
 def test_settings_the_analysis_does_not_cover_are_refused_when_constructed(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -221,14 +221,17 @@ def test_more_bands_than_steps_per_epoch_is_refused_before_the_first_update():
 def test_banded_mf_on_zero3_with_two_processes(tmp_path):
     """ZeRO-3 on 2 processes: σ = 0 with accumulation equals the replay of Σ clip(g_i) / B_exp over the batches
     the ranks drew, each from its step's part; σ = 1 with zero gradients releases noise whose covariance over
-    steps is C⁻¹C⁻ᵀ, each rank noising its own partition (as ZeRO-0 on one process does the whole)."""
+    steps is C⁻¹C⁻ᵀ, each rank noising its own partition (as ZeRO-0 on one process does the whole), for banded
+    MF and for a BLT."""
     from harness import expected_params, run_cases
 
     base = dict(stage=3, C=0.3, clipping="all-layer", clipping_fn="abadi", poisson=True, n=48, batch_size=2, lr=0.5)
     cases = [dict(base, name="banded_replay", model="token", sigma=0.0, accumulate=2, steps=5,
                   strategy_kwargs=dict(noise_mechanism="banded-mf", bands=3)),
              dict(base, name="banded_noise", model="wide", sigma=1.0, accumulate=1, steps=6, zero_loss=True,
-                  lr=1.0, record_steps=True, strategy_kwargs=dict(noise_mechanism="banded-mf", bands=3))]
+                  lr=1.0, record_steps=True, strategy_kwargs=dict(noise_mechanism="banded-mf", bands=3)),
+             dict(base, name="blt_noise", model="wide", sigma=1.0, accumulate=1, steps=6, zero_loss=True,
+                  lr=1.0, record_steps=True, strategy_kwargs=dict(noise_mechanism="blt", bands=3))]
     results = run_cases(cases, tmp_path, world_size=2, timeout=900)
 
     replay = results["banded_replay"]
@@ -245,6 +248,15 @@ def test_banded_mf_on_zero3_with_two_processes(tmp_path):
     flat = torch.stack([torch.cat([p[n].flatten() for n in sorted(p)]).double() for p in noise["steps"]])
     nu = ((flat[:-1] - flat[1:]) / std).numpy()  # (6 steps, 33,024 coordinates: both ranks' partitions)
     np.testing.assert_allclose(nu @ nu.T / nu.shape[1], expected_noise_covariance(6, 3, 1.0), atol=0.05)
+
+    from lightning_dpzero.accounting.blt import blt_of  # BLT: each rank runs the recursion on its own partition
+
+    blt = results["blt_noise"]
+    params = blt_of(blt["ledger"]["entries"][0]["sampler"])[1]
+    flat = torch.stack([torch.cat([p[n].flatten() for n in sorted(p)]).double() for p in blt["steps"]])
+    nu = ((flat[:-1] - flat[1:]) / std).numpy()
+    inv = np.linalg.inv(params.matrix(6))
+    np.testing.assert_allclose(nu @ nu.T / nu.shape[1], inv @ inv.T, atol=0.05)
 
 
 def test_a_fabric_loop_samples_its_parts_and_releases_the_banded_noise(tmp_path):
