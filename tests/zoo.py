@@ -160,16 +160,13 @@ def _convnext():
 
 def _mamba():
     """Mamba: each mixer's ``A_log`` ``(2D, N)`` and ``D`` ``(2D,)`` are used directly in its selective scan (the
-    reference PyTorch implementation on the CPU). ``dt_proj`` and ``conv1d`` are frozen: the mixer reads their
-    weights without calling them (``dt_proj.weight @ h``, ``F.conv1d(h, conv1d.weight, ...)``), which the engine
-    refuses."""
+    reference PyTorch implementation on the CPU), and it reads its ``conv1d``'s and ``dt_proj``'s parameters without
+    calling them (``F.conv1d(h, conv1d.weight.unsqueeze(1), conv1d.bias, groups=C)``, ``dt_proj.weight @ h``, the
+    bias added to the time steps): all trained, as parameters used directly."""
     import transformers as tf
 
-    model = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=D, state_size=4, num_hidden_layers=2,
-                                               expand=2, conv_kernel=3, time_step_rank=4, use_mambapy=False))
-    for name, p in model.named_parameters():
-        p.requires_grad_("dt_proj" not in name and "conv1d" not in name)
-    return model
+    return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=D, state_size=4, num_hidden_layers=2,
+                                              expand=2, conv_kernel=3, time_step_rank=4, use_mambapy=False))
 
 
 class _VisionHead(nn.Module):
@@ -266,6 +263,8 @@ ZOO = {
     "mamba": (lambda: LM(_mamba()), "lm"),
     # token-major layers (per_sample/token_major.py): rows (B·m, d) whose examples the engine follows
     "opt": (lambda: LM(_opt()), "lm"),
+    # OPT's decoder layer reshapes in its own forward, which HF's checkpointing recomputes without its hooks
+    "opt_checkpointed": (lambda: LM(_checkpointed(_opt())), "lm"),
     "mixtral": (lambda: LM(_moe("mixtral")), "lm"),
     "qwen2_moe": (lambda: LM(_moe("qwen2_moe")), "lm"),
     "swin": (lambda: Classifier(_swin(), "pixel_values"), "image"),

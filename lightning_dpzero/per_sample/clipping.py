@@ -143,12 +143,17 @@ def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_g
     if clipping == "all-layer":
         members = [[p for _, p in named]]
     elif clipping == "layer-wise":
-        owner: dict[int, int] = {}
+        owner: dict[int, tuple[int, str]] = {}
         for k, h in enumerate(hooks):
-            for p in h.rule.params(h.module):
+            params = h.rule.params(h.module)
+            names = getattr(h.rule, "param_names", ())
+            # a child's parameters that the layer's forward reads directly (dotted names: Mamba's conv1d.weight)
+            # are that child's layer, as if it were called
+            paths = [n.rpartition(".")[0] for n in names] if len(names) == len(params) else [""] * len(params)
+            for p, path in zip(params, paths):
                 if p is not None and p.requires_grad:
-                    owner.setdefault(id(p), k)
-        by_hook: dict[int, list] = {}
+                    owner.setdefault(id(p), (k, path))
+        by_hook: dict[tuple[int, str], list] = {}
         for _, p in named:
             by_hook.setdefault(owner[id(p)], []).append(p)
         members = list(by_hook.values())

@@ -35,6 +35,7 @@ class Tracking:
 
     def __init__(self, engine):
         self.engine, self.mode, self.handles, self.entered = engine, RowTracker(), [], []
+        self.checkpointed: list = []  # (layer, its own checkpoint function) wrapped by _track_recomputation
         self.seen = False  # a token-major site was met (the layout check keeps tracking on only then)
         self.needed: Optional[bool] = None  # None: not yet known (track); False: the check found no such site
 
@@ -43,12 +44,36 @@ class Tracking:
             if next(m.children(), None) is not None or m is module:
                 self.handles.append(m.register_forward_pre_hook(self._enter))
                 self.handles.append(m.register_forward_hook(self._exit, always_call=True))
+            if callable(m.__dict__.get("_gradient_checkpointing_func")):
+                self._track_recomputation(m)
         return self
+
+    def _track_recomputation(self, layer: torch.nn.Module) -> None:
+        """Hugging Face's activation checkpointing recomputes a layer's ``forward`` in the backward, not its
+        ``__call__``: the hooks above do not run there, and a reshape in that forward (OPT's decoder layer:
+        ``hidden_states.reshape(-1, d)``) would lose its rows' examples. The layer's checkpoint function (an
+        instance attribute, ``gradient_checkpointing_enable``) is wrapped so that the function it runs, the forward
+        and its recomputation, enters the tracker as a hook would; ``remove`` restores it."""
+        checkpoint = layer.__dict__["_gradient_checkpointing_func"]
+
+        def tracked_checkpoint(fn, *args, **kwargs):
+            def run(*a, **k):
+                self._enter(layer, a)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._exit(layer, a, None)
+            return checkpoint(run, *args, **kwargs)
+        layer._gradient_checkpointing_func = tracked_checkpoint
+        self.checkpointed.append((layer, checkpoint))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for layer, checkpoint in self.checkpointed:
+            layer._gradient_checkpointing_func = checkpoint
+        self.checkpointed = []
         while self.entered:
             self._exit(None, None, None)
 
