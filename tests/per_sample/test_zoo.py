@@ -30,8 +30,8 @@ DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "re
                 "relative_position_bias_table")
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 #: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
-#: Swin's window attention
-TOKEN_MAJOR = ["opt", "mixtral", "qwen2_moe", "swin"]
+#: Swin's window attention; Mixtral with nn.Linear experts on the rows gathered for each
+TOKEN_MAJOR = ["opt", "mixtral", "qwen2_moe", "swin", "mixtral_linear"]
 #: PyTorch's nn.TransformerEncoder / nn.TransformerDecoder (float -inf masks, is_causal, the nested-tensor path)
 TORCH = ["torch_encoder_lm", "torch_padded", "torch_seq2seq"]
 
