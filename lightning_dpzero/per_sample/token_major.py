@@ -137,6 +137,14 @@ def refusal(hook, x: torch.Tensor, why: str) -> UnsupportedLayerError:
         "it from the batch with those operations only.")
 
 
+def _token_rows(x: Any) -> bool:
+    """``x`` has a row map other than the batch's own: its rows are the examples' tokens even where their number
+    equals the micro-batch's by chance (an expert given B of the B·T tokens, which its shape would take for the
+    batch)."""
+    rows = rows_of(x)
+    return rows is not None and not (rows.blocks and rows.m == 1)
+
+
 def _own_layout(hook, x: torch.Tensor, extra: tuple[tuple, dict], b: int) -> bool:
     """The rule reads the batch from elsewhere than the first dimension and finds the micro-batch's examples there
     (an RNN with ``batch_first=False``, an ``EmbeddingBag`` given offsets): no token rows."""
@@ -154,7 +162,8 @@ def site_input(engine, hook, x: Any, extra: tuple[tuple, dict]) -> tuple[Any, An
     viewed as ``(B, m, ...)`` and its map, or gathered rows laid out ``(B, n_max, ...)`` and their
     :class:`Gathered` (see the module docstring). Raises ``UnsupportedLayerError``."""
     b = engine.expected_batch_size
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or b is None or x.shape[0] == b or _own_layout(hook, x, extra, b):
+    if not _token_rows(x) and (not isinstance(x, torch.Tensor) or x.dim() < 1 or b is None or x.shape[0] == b
+                               or _own_layout(hook, x, extra, b)):
         seed(x, b)
         return x, None
     rows = rows_of(x)
@@ -210,7 +219,7 @@ def token_rows(hook, first: Optional[torch.Tensor], tensors: list, b: Optional[i
     the micro-batch first (or none at all, which the caller refuses). Every tensor argument with as many rows must
     have the same map; gathered rows are allowed (the rule recomputes each example on its rows). Raises
     ``UnsupportedLayerError``."""
-    if first is None or b is None or first.shape[0] == b:
+    if first is None or b is None or (first.shape[0] == b and not _token_rows(first)):
         return None
     rows = rows_of(first)
     if rows is None:
