@@ -176,6 +176,18 @@ def test_token_major_models_train_on_zero3_with_two_processes_and_match_the_repl
     _match_the_replay(cases, tmp_path)
 
 
+@pytest.mark.slow
+def test_linear_expert_moe_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """Mixtral with nn.Linear experts on the rows gathered for each (token_major.Gathered: each expert's rows laid
+    out per example, a different number per example and micro-batch, none included) on ZeRO-3 with 2 processes and
+    Poisson micro-batches of 0 to several examples (σ = 0), all-layer and layer-wise: equal to the single-process
+    replay. Every expert runs in every forward, on no row if none chose it, so both ranks gather the same layers."""
+    cases = [dict(name=f"zoo_mixtral_linear_{clip}", model="zoo:mixtral_linear", stage=3, sigma=0.0, C=0.5,
+                  clipping=clip, clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5,
+                  oracle="loop") for clip in ("all-layer", "layer-wise")]
+    _match_the_replay(cases, tmp_path)
+
+
 def _match_the_replay(cases, tmp_path):
     """Run ``cases`` on 2 processes; each ends at its step count, moved, and equal to its one-process replay."""
     from harness import run_cases
