@@ -175,6 +175,18 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
 
 
 @pytest.mark.slow
+def test_lora_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """peft's LoRA adapters on every family (and a classifier's head, modules_to_save), the frozen weights
+    partitioned with them, on ZeRO-3 with 2 processes and Poisson micro-batches of 0 to several examples (σ = 0),
+    all-layer and layer-wise in turn: equal to the single-process replay from per-example gradients."""
+    pytest.importorskip("peft")
+    cases = [dict(name=f"lora_{k}_{clip}", model=f"zoo_lora:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
+             for i, k in enumerate(LORA) for clip in [("all-layer", "layer-wise")[i % 2]]]
+    _match_the_replay(cases, tmp_path)
+
+
+@pytest.mark.slow
 def test_token_major_models_train_on_zero3_with_two_processes_and_match_the_replay(tmp_path):
     """OPT's feed-forward on (B·T, d) rows and Mixtral's router and experts (the generic rule, one recomputation
     per example on its rows) on ZeRO-3 with 2 processes, Poisson batches (micro-batches of 0, 1 or more examples,
