@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import zoo_moe
 import zoo_torch
 
 V, T, D = 32, 8, 16  # vocabulary, tokens per example, hidden size
@@ -267,6 +268,7 @@ ZOO = {
     "opt_checkpointed": (lambda: LM(_checkpointed(_opt())), "lm"),
     "mixtral": (lambda: LM(_moe("mixtral")), "lm"),
     "qwen2_moe": (lambda: LM(_moe("qwen2_moe")), "lm"),
+    "mixtral_linear": (lambda: LM(zoo_moe.mixtral_linear(V, D, 24)), "lm"),  # nn.Linear experts on gathered rows
     "swin": (lambda: Classifier(_swin(), "pixel_values"), "image"),
     # PyTorch's own Transformer modules (zoo_torch.py)
     "torch_encoder_lm": (zoo_torch.EncoderLM, "lm"),

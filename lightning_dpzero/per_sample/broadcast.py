@@ -326,7 +326,8 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     b = engine.expected_batch_size if layout is None else layout.rows
     if not hook.__dict__.get("shared_indices"):
         if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point() or b is None
-                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))):
+                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))
+                or rows_of(x) is not None):  # the examples' tokens as rows, (B·T,) or gathered: token_major.py
             return None
         hook.shared_indices = True
     if not engine.clipping_now():

@@ -15,7 +15,7 @@ carried, per tensor, through
 * ``view``/``reshape``/``flatten``/``unflatten``: row R of the output is elements ``R·K .. R·K+K-1`` of the input
   (K its row length); the map survives where each output row lies within one example (merging the batch with
   the following dimensions, or splitting rows of one example);
-* indexing along dimension 0 (``t[idx]``, ``t[a:b]``, ``index_select(t, 0, idx)``): the map indexed alike; a
+* indexing along dimension 0 (``t[idx]``, ``t[a:b]``, ``t[idx, col]``, ``index_select(t, 0, idx)``): the map indexed alike; a
   table indexed by a mapped index (``table[ids]``) gets the index's map;
 * operations that keep dimension 0 as it is: elementwise ones (every other operand broadcast, or of the same
   map), reductions, softmax, ``topk``, ``cat``/``chunk``/``split`` along another dimension, ``permute`` and
@@ -236,9 +236,18 @@ def _indexed(rows: Rows, key: Any, out: torch.Tensor) -> Optional[Rows]:
     """The map of ``t[key]`` where ``t`` has ``rows``: ``key``'s first entry indexes dimension 0 (a full slice,
     a slice, or a 1-D integer or boolean index), the others (slices, integers, ``...``) other dimensions."""
     keys = key if isinstance(key, tuple) else (key,)
-    if not keys or any(k is None or isinstance(k, torch.Tensor) for k in keys[1:]):
+    if not keys:
         return None
     first = keys[0]
+    if isinstance(first, torch.Tensor) and first.dim() == 1 and first.dtype != torch.bool:
+        # with other 1-D integer indices of the same length (a value per row picked by a column index, Mixtral's
+        # top_k_weights[token_idx, top_k_pos, None]) dimension 0 of the output is still the first index's: the
+        # indices broadcast to its length, in front whether or not they are adjacent
+        if not all(k.dim() == 1 and k.shape == first.shape and not k.is_floating_point() and k.dtype != torch.bool
+                   for k in keys[1:] if isinstance(k, torch.Tensor)):
+            return None
+    elif any(k is None or isinstance(k, torch.Tensor) for k in keys[1:]):
+        return None
     if first is Ellipsis:
         if sum(k is not Ellipsis for k in keys[1:]) >= out.dim() + 1:  # the ellipsis covers no dimension
             return None

@@ -31,8 +31,8 @@ DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "dt_proj",
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 #: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
 #: Swin's window attention; OPT with HuggingFace's activation checkpointing (its decoder layer's reshape recomputed
-#: in the backward)
-TOKEN_MAJOR = ["opt", "opt_checkpointed", "mixtral", "qwen2_moe", "swin"]
+#: in the backward); Mixtral with nn.Linear experts on the rows gathered for each
+TOKEN_MAJOR = ["opt", "opt_checkpointed", "mixtral", "qwen2_moe", "swin", "mixtral_linear"]
 #: PyTorch's nn.TransformerEncoder / nn.TransformerDecoder (float -inf masks, is_causal, the nested-tensor path)
 TORCH = ["torch_encoder_lm", "torch_padded", "torch_seq2seq"]
 #: every HuggingFace family with LoRA adapters (zoo.with_lora)
@@ -223,6 +223,18 @@ def test_swin_bias_table_and_mamba_train_on_zero3_with_two_processes_and_match_t
             step, done = want[k].float() - res["init"][k], res["final"][k] - res["init"][k]
             assert step.abs().max() > 0, (case["name"], k)
             torch.testing.assert_close(done, step, rtol=1e-2, atol=1e-9, msg=lambda m: f"{case['name']} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_linear_expert_moe_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """Mixtral with nn.Linear experts on the rows gathered for each (token_major.Gathered: each expert's rows laid
+    out per example, a different number per example and micro-batch, none included) on ZeRO-3 with 2 processes and
+    Poisson micro-batches of 0 to several examples (σ = 0), all-layer and layer-wise: equal to the single-process
+    replay. Every expert runs in every forward, on no row if none chose it, so both ranks gather the same layers."""
+    cases = [dict(name=f"zoo_mixtral_linear_{clip}", model="zoo:mixtral_linear", stage=3, sigma=0.0, C=0.5,
+                  clipping=clip, clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5,
+                  oracle="loop") for clip in ("all-layer", "layer-wise")]
+    _match_the_replay(cases, tmp_path)
 
 
 def _match_the_replay(cases, tmp_path):
