@@ -304,9 +304,10 @@ def make_data(kind: str, n: int, seed: int = 42) -> tuple[torch.Tensor, torch.Te
 
 #: peft ``target_modules`` per family, as a user would choose them: the attention's query and value projections
 #: (GPT-2's fused ``c_attn``; ViT's and Swin's are ``q_proj``, ``v_proj`` since transformers 5); ConvNeXt has no attention: its pointwise ``nn.Linear`` layers; Mamba: its mixers'
-#: input projection and x_proj (peft refuses ``out_proj`` and ``conv1d`` on Mamba: its CUDA kernels read them)
+#: input projection and x_proj (peft refuses ``out_proj`` and ``conv1d`` on Mamba: its CUDA kernels read them);
+#: the ``nn.Linear`` experts too, whose adapters then get the rows gathered for each expert
 LORA_TARGETS = {"gpt2": ["c_attn"], "t5": ["q", "v"], "bert": ["query", "value"], "convnext": ["pwconv1", "pwconv2"],
-                "mamba": ["in_proj", "x_proj"]}
+                "mamba": ["in_proj", "x_proj"], "mixtral_linear": ["q_proj", "v_proj", "w1", "w2", "w3"]}
 #: the classifiers' new heads, trained next to the adapters (peft's ``modules_to_save``, as its SEQ_CLS task does);
 #: CLIP's head is ours, outside the tower peft wraps, and trains as it is
 LORA_HEADS = {"bert": ["classifier"], "vit": ["classifier"], "swin": ["classifier"], "convnext": ["classifier"],

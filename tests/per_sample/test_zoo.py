@@ -36,8 +36,8 @@ TOKEN_MAJOR = ["opt", "opt_checkpointed", "mixtral", "qwen2_moe", "swin", "mixtr
 #: PyTorch's nn.TransformerEncoder / nn.TransformerDecoder (float -inf masks, is_causal, the nested-tensor path)
 TORCH = ["torch_encoder_lm", "torch_padded", "torch_seq2seq"]
 #: every HuggingFace family with LoRA adapters (zoo.with_lora)
-LORA = (DECODERS + ["t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "opt", "mixtral", "qwen2_moe", "swin"]
-        + (["mamba"] if zoo.has_mamba() else []))
+LORA = (DECODERS + ["t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "opt", "mixtral", "qwen2_moe",
+                   "mixtral_linear", "swin"] + (["mamba"] if zoo.has_mamba() else []))
 
 
 def _loss(model, x, y):
