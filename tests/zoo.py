@@ -302,14 +302,28 @@ def make_data(kind: str, n: int, seed: int = 42) -> tuple[torch.Tensor, torch.Te
     return x, torch.randint(0, V, (n, T - ENC if inputs == "seq2seq" else T), generator=g)
 
 
+#: peft ``target_modules`` per family, as a user would choose them: the attention's query and value projections
+#: (GPT-2's fused ``c_attn``; ViT's and Swin's are ``q_proj``, ``v_proj`` since transformers 5); ConvNeXt has no attention: its pointwise ``nn.Linear`` layers; Mamba: its mixers'
+#: input projection and x_proj (peft refuses ``out_proj`` and ``conv1d`` on Mamba: its CUDA kernels read them);
+#: the ``nn.Linear`` experts too, whose adapters then get the rows gathered for each expert
+LORA_TARGETS = {"gpt2": ["c_attn"], "t5": ["q", "v"], "bert": ["query", "value"], "convnext": ["pwconv1", "pwconv2"],
+                "mamba": ["in_proj", "x_proj"], "mixtral_linear": ["q_proj", "v_proj", "w1", "w2", "w3"]}
+#: the classifiers' new heads, trained next to the adapters (peft's ``modules_to_save``, as its SEQ_CLS task does);
+#: CLIP's head is ours, outside the tower peft wraps, and trains as it is
+LORA_HEADS = {"bert": ["classifier"], "vit": ["classifier"], "swin": ["classifier"], "convnext": ["classifier"],
+              "wav2vec2": ["projector", "classifier"]}
+
+
 def with_lora(model: nn.Module, kind: str) -> nn.Module:
-    """LoRA adapters (peft) on the attention projections of a decoder; every other parameter frozen."""
+    """LoRA adapters (peft, r = 2) on ``LORA_TARGETS[kind]`` (default ``q_proj``, ``v_proj``) of the wrapped
+    HuggingFace model, and its classifier head in ``modules_to_save``; every other parameter frozen."""
     import peft
 
-    targets = ["c_attn"] if kind == "gpt2" else ["q_proj", "v_proj"]
-    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,
-                             fan_in_fan_out=kind == "gpt2")
-    model.model = peft.get_peft_model(model.model, config)
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                             target_modules=LORA_TARGETS.get(kind, ["q_proj", "v_proj"]),
+                             modules_to_save=LORA_HEADS.get(kind), fan_in_fan_out=kind == "gpt2")
+    attr = "tower" if isinstance(model, _VisionHead) else "model"
+    setattr(model, attr, peft.get_peft_model(getattr(model, attr), config))
     with torch.no_grad():  # peft starts B at zero: make the adapters' gradients and updates non-trivial
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -20,7 +20,8 @@ carried, per tensor, through
 * operations that keep dimension 0 as it is: elementwise ones (every other operand broadcast, or of the same
   map), reductions, softmax, ``topk``, ``cat``/``chunk``/``split`` along another dimension, ``permute`` and
   ``transpose`` that leave dimension 0 first, ``matmul`` of two operands with the same map or of a mapped
-  operand by a shared matrix, ``linear``, ``layer_norm``, ``pad`` of other dimensions.
+  operand by a shared matrix, ``linear``, ``layer_norm``, ``pad`` of other dimensions, convolutions and pooling
+  of a batched input (a frozen patch embedding: Swin's with LoRA).
 
 An operation on a mapped tensor that is none of these marks its output *lost* with the operation's name: a
 layer whose input's first dimension is not the micro-batch and that carries such a mark is refused with that
@@ -168,6 +169,9 @@ _ALONG = {
 _SECOND_DIM = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1")}
 _RESHAPE = {"view", "reshape", "flatten", "view_as", "reshape_as", "unflatten", "ravel"}
 _MATMUL = {"matmul", "__matmul__", "bmm", "baddbmm", "scaled_dot_product_attention", "linear", "embedding"}
+#: ops over the spatial dimensions of a batched (N, C, *spatial) input: each output row from its own input row
+_SPATIAL = {f"{op}{n}d" for n in (1, 2, 3) for op in ("conv", "conv_transpose", "avg_pool", "max_pool", "lp_pool",
+                                                      "adaptive_avg_pool", "adaptive_max_pool")}
 _IGNORED = {"__get__", "__set__", "dim", "size", "numel", "__len__", "__bool__", "item", "tolist", "__repr__",
             "__format__", "is_floating_point", "data_ptr", "stride", "element_size", "is_contiguous",
             "backward", "register_hook", "retain_grad", "_is_view"}
@@ -337,6 +341,9 @@ class RowTracker(TorchFunctionMode):
             return r0 if ok and all(r.same(r0) for _, r in mapped) else None
         if name in _MATMUL:
             return self._matmul(name, ins, mapped, outs)
+        if name in _SPATIAL:  # batched only (an unbatched input's first dimension is its channels); weights shared
+            ok = t0 is ins[0] and len(mapped) == 1 and t0.dim() == int(name[-2]) + 2
+            return r0 if ok and all(o.dim() >= 1 and o.shape[0] == r0.rows for o in outs) else None
         if name in _ALONG:
             pos, key, default = _ALONG[name]
             if name in ("cat", "concat", "stack"):  # (tensors, dim)

@@ -78,6 +78,19 @@ def test_a_value_expanded_over_the_rows_keeps_the_map():
     assert lost_at(unknown) == "add"
 
 
+def test_convolutions_and_pooling_of_a_batched_input_keep_the_map():
+    """A frozen patch embedding (Swin's with LoRA: no rule seeds its output) convolves and pools each example
+    alone; an unbatched input's first dimension is its channels, not the rows."""
+    x = _batch(B, 1, 8, 8)
+    with RowTracker():
+        patches = F.conv2d(x, torch.randn(4, 1, 2, 2), stride=2)  # (B, 4, 4, 4)
+        pooled = F.adaptive_avg_pool2d(F.max_pool2d(patches, 2), 1)
+        rows = patches.flatten(2).transpose(1, 2).reshape(-1, 4)  # (B·16, 4): the tokens as rows
+        unbatched = F.conv1d(rows[:, :2].t(), torch.randn(3, 2, 1))  # (2, B·16) read as (channels, length)
+    assert rows_of(patches).same(Rows(B)) and rows_of(pooled).same(Rows(B)) and rows_of(rows).m == 16
+    assert rows_of(unbatched) is None and lost_at(unbatched) is not None
+
+
 def test_an_op_that_mixes_rows_loses_the_map():
     x = _batch(B, T, D)
     with RowTracker():

@@ -35,6 +35,9 @@ DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 TOKEN_MAJOR = ["opt", "opt_checkpointed", "mixtral", "qwen2_moe", "swin", "mixtral_linear"]
 #: PyTorch's nn.TransformerEncoder / nn.TransformerDecoder (float -inf masks, is_causal, the nested-tensor path)
 TORCH = ["torch_encoder_lm", "torch_padded", "torch_seq2seq"]
+#: every HuggingFace family with LoRA adapters (zoo.with_lora)
+LORA = (DECODERS + ["t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "opt", "mixtral", "qwen2_moe",
+                   "mixtral_linear", "swin"] + (["mamba"] if zoo.has_mamba() else []))
 
 
 def _loss(model, x, y):
@@ -86,15 +89,20 @@ def test_hf_norms_through_the_generic_rule_match_the_oracle(kind, monkeypatch):
     assert "InstantiatedGradsRule" in _engine_vs_oracle(model, x, y, "layer-wise")
 
 
-@pytest.mark.parametrize("kind", DECODERS)
-def test_lora_matches_the_oracle(kind):
+@pytest.mark.parametrize("clipping", ["all-layer", "layer-wise"])
+@pytest.mark.parametrize("kind", LORA)
+def test_lora_matches_the_oracle(kind, clipping):
+    """peft's LoRA adapters on each family's usual targets (zoo.LORA_TARGETS), a classifier's head trained next to
+    them (modules_to_save): only those train, and their clipped sum equals the float64 per-example loop's."""
     pytest.importorskip("peft")
     torch.manual_seed(2)
     model = zoo.with_lora(zoo.build(kind), kind).train()
     x, y = zoo.make_data(kind, B)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    _engine_vs_oracle(model, x, y, "all-layer", C=0.005)
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    heads = tuple(f".{h}.modules_to_save.default." for h in zoo.LORA_HEADS.get(kind, []))
+    assert all("lora_" in n or n.startswith("head.") or any(h in n for h in heads) for n in trainable), trainable
+    _engine_vs_oracle(model, x, y, clipping, C=0.005)
 
 
 @pytest.mark.parametrize("batch", [3, 5])  # 5 and 3: the encoder's and the decoder's length equal B
@@ -164,6 +172,18 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
         sizes = [len(idx) for rank in results[case["name"]]["seen"] for _, idx in rank]
         assert 0 in sizes and max(sizes) > 0, (case["name"], sizes)  # empty micro-batches, and examples
     _assert_replayed(cases + empty, results)
+
+
+@pytest.mark.slow
+def test_lora_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """peft's LoRA adapters on every family (and a classifier's head, modules_to_save), the frozen weights
+    partitioned with them, on ZeRO-3 with 2 processes and Poisson micro-batches of 0 to several examples (σ = 0),
+    all-layer and layer-wise in turn: equal to the single-process replay from per-example gradients."""
+    pytest.importorskip("peft")
+    cases = [dict(name=f"lora_{k}_{clip}", model=f"zoo_lora:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
+             for i, k in enumerate(LORA) for clip in [("all-layer", "layer-wise")[i % 2]]]
+    _match_the_replay(cases, tmp_path)
 
 
 @pytest.mark.slow
