@@ -199,11 +199,11 @@ def _correlated_sampler(noise_mechanism: Optional[str], bands: int, steps_per_ep
 
     if noise_mechanism != "blt":
         return cyclic_sampler_kind(bands)
-    from .accounting.blt import blt_sampler_kind, optimize_blt
+    from .accounting.blt import blt_for_run, blt_sampler_kind
 
     planned = max_steps if max_steps is not None and max_steps > 0 else (
-        max_epochs * steps_per_epoch if max_epochs is not None and max_epochs > 0 else 10 * steps_per_epoch)
-    return blt_sampler_kind(bands, optimize_blt(int(planned), bands))
+        max_epochs * steps_per_epoch if max_epochs is not None and max_epochs > 0 else None)
+    return blt_sampler_kind(bands, blt_for_run(planned, steps_per_epoch, bands))
 
 
 # ---------------------------------------------------------------------------------------------- from a config

@@ -212,3 +212,14 @@ def test_a_fabric_loop_resumed_with_other_max_steps_continues_the_ledgers_blt(tm
     _, resumed, _, _ = loop(6, load=tmp_path / "ckpt")
     assert resumed.ledger.steps == 6 and [e.sampler for e in resumed.ledger.entries] == [kind]
     assert resumed.mechanism.correlated.source.step == 6
+
+
+def test_a_run_gets_the_blt_of_its_planned_steps_at_most_the_cap(monkeypatch):
+    from lightning_dpzero.accounting import blt
+
+    asked = []
+    monkeypatch.setattr(blt, "optimize_blt", lambda steps, b: asked.append((steps, b)) or BLTParams((0.5,), (0.1,)))
+    blt.blt_for_run(240, 12, 11)
+    blt.blt_for_run(None, 12, 11)  # no planned length: ten epochs
+    blt.blt_for_run(10**7, 1000, 100)  # a long run: seconds at the start of the fit, not minutes
+    assert asked == [(240, 11), (120, 11), (blt.HORIZON_CAP, 100)]

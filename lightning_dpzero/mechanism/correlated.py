@@ -7,7 +7,7 @@ import secrets
 from typing import Any, Callable, Optional
 
 from ..accounting.banded import cyclic_sampler_kind
-from ..accounting.blt import BLTParams, blt_sampler_kind, optimize_blt
+from ..accounting.blt import BLTParams, blt_for_run, blt_sampler_kind
 from ..banded_mf import BandedNoiseSource, banded_coefficients, coefficients_digest
 from ..blt import BLTNoiseSource, check_blt_supported
 from ..util.options import NoiseMechanism, check_option
@@ -105,14 +105,15 @@ class CorrelatedNoise:
 
     def choose_parameters(self, restored: Optional[dict], planned_steps: Optional[int], steps_per_epoch: int,
                           broadcast: Callable[[Any], Any]) -> None:
-        """A BLT's θ, ω: the restored ledger's (a resume keeps them), else optimised for the planned steps (ten
-        epochs when the run has no planned length) on rank 0 and shared, so every rank's ledger is the same."""
+        """A BLT's θ, ω: the restored ledger's (a resume keeps them), else optimised for the planned steps
+        (:func:`~lightning_dpzero.accounting.blt.blt_for_run`), rank 0's result shared, so every rank's ledger is
+        the same."""
         if self.noise_mechanism != "blt" or self.blt_params is not None:
             return
         if restored is not None and restored.get("theta") is not None:
             self.blt_params = BLTParams(tuple(restored["theta"]), tuple(restored["omega"]))
             return
-        found = optimize_blt(int(planned_steps or 10 * steps_per_epoch), self.bands)
+        found = blt_for_run(planned_steps, steps_per_epoch, self.bands)
         theta, omega = broadcast((list(found.theta), list(found.omega)))
         self.blt_params = BLTParams(tuple(theta), tuple(omega))
 
