@@ -94,11 +94,16 @@ class SpeakerLines(L.LightningDataModule):
         max_length: tokens per line (padded / truncated); 32 covers 99.9% of the lines.
         batch_size: per-device micro-batch (expected logical batch = batch_size × devices).
         val_fraction, split_seed: the held-out share and the seed of the fixed split.
+        train_size: train on only the first this many lines of the fixed training split (``None``: all of
+            it); the held-out lines stay the same. For quick runs, e.g. ``benchmarks/correlated_noise_minilm.py``.
+
+    Raises:
+        ValueError: ``train_size`` is not positive or exceeds the training split (at ``setup``).
     """
 
     def __init__(self, path: Optional[str] = None, num_speakers: int = 5, max_length: int = 32,
                  batch_size: int = 64, val_batch_size: int = 256, val_fraction: float = 0.15,
-                 split_seed: int = 0) -> None:
+                 split_seed: int = 0, train_size: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.train_set = self.val_set = None
@@ -125,7 +130,14 @@ class SpeakerLines(L.LightningDataModule):
         data = TensorDataset(enc["input_ids"], enc["attention_mask"], labels)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.hparams.split_seed))
         n_val = int(len(labels) * self.hparams.val_fraction)
-        self.train_set, self.val_set = Subset(data, order[n_val:].tolist()), Subset(data, order[:n_val].tolist())
+        train_idx = order[n_val:]
+        size = self.hparams.train_size
+        if size is not None:
+            if not 0 < size <= len(train_idx):
+                raise ValueError(f"SpeakerLines(train_size={size}): the training split has {len(train_idx)} lines; "
+                                 f"pass 1..{len(train_idx)} or None for all of them.")
+            train_idx = train_idx[:size]
+        self.train_set, self.val_set = Subset(data, train_idx.tolist()), Subset(data, order[:n_val].tolist())
         val_labels = labels[order[:n_val]]
         self.majority = float(torch.bincount(val_labels).max()) / max(1, n_val)
 

@@ -292,3 +292,48 @@ def test_the_benchmarks_pages_are_what_the_committed_results_render(tmp_path, mo
     edges = {"top": image[:4], "bottom": image[-4:], "left": image[:, :4], "right": image[:, -4:]}
     assert not [side for side, pixels in edges.items() if (pixels < 0.9).any()], "text cut off at the image's edge"
     assert (image[-30:-4] < 0.5).any(), "no caption under the x axis"
+
+
+def test_mechanism_specs_are_dp_sgd_or_name_colon_positive_integer():
+    from benchmarks.correlated_noise import parse_mechanism
+
+    assert parse_mechanism("dp-sgd") == ("dp-sgd", None)
+    assert parse_mechanism("banded-mf:4") == ("banded-mf", 4)
+    assert parse_mechanism("blt:12") == ("blt", 12)
+    for bad in ("banded-mf", "banded-mf:", "banded-mf:0", ":4", "banded-mf:x"):
+        with pytest.raises(ValueError, match="NAME:K"):
+            parse_mechanism(bad)
+
+
+def test_correlated_noise_sweeps_merge_by_epsilon_mechanism_and_seed(tmp_path):
+    import json
+
+    from benchmarks.correlated_noise import sweep
+
+    out, header = tmp_path / "r.json", {"benchmark": "b", "model": "m", "setting": {"epochs": 3}}
+    calls = []
+
+    def run(eps, seed, name, bands, offset=0.0):
+        calls.append((eps, seed, name, bands))
+        return {"accuracy": eps / 10 + seed / 100 + (bands or 0) / 1000 + offset, "sigma": 1.0 / eps}
+
+    sweep(run, [1.0, 2.0], ["dp-sgd"], 2, out, header)
+    sweep(run, [1.0], ["banded-mf:4"], 3, out, header)  # a new mechanism: the dp-sgd rows stay
+    assert calls[-3:] == [(1.0, s, "banded-mf", 4) for s in range(3)]
+    n = len(calls)
+    sweep(run, [1.0, 2.0], ["dp-sgd", "banded-mf:4"], 2, out, header)  # a rerun skips what the file holds
+    assert calls[n:] == [(2.0, 0, "banded-mf", 4), (2.0, 1, "banded-mf", 4)]
+    result = sweep(lambda *a: run(*a, offset=0.5), [2.0], ["dp-sgd"], 1, out, header, redo=True)  # redo one seed
+    assert result == json.loads(out.read_text())
+    rows = {(r["target_epsilon"], r["mechanism"]): r for r in result["rows"]}
+    assert list(rows) == [(1.0, "dp-sgd"), (1.0, "banded-mf:4"), (2.0, "dp-sgd"), (2.0, "banded-mf:4")]
+    assert [r["seed"] for r in rows[2.0, "dp-sgd"]["runs"]] == [0, 1]
+    assert rows[2.0, "dp-sgd"]["accuracy_mean"] == pytest.approx((0.7 + 0.21) / 2)
+    assert rows[1.0, "banded-mf:4"]["accuracy_std"] == pytest.approx(0.01 * (2 / 3) ** 0.5)
+    assert (rows[1.0, "banded-mf:4"]["noise_mechanism"], rows[1.0, "banded-mf:4"]["bands"]) == ("banded-mf", 4)
+    with pytest.raises(ValueError, match="another setting"):  # runs of another setting do not mix into one table
+        sweep(run, [1.0], ["dp-sgd"], 1, out, {**header, "setting": {"epochs": 4}})
+    with pytest.raises(ValueError, match="NAME:K"):  # a bad spec fails before any run
+        n = len(calls)
+        sweep(run, [1.0], ["dp-sgd", "banded-mf"], 1, out, header)
+    assert len(calls) == n

@@ -107,6 +107,19 @@ def test_speaker_lines_task():
 
 
 @needs_minilm
+def test_speaker_lines_train_size_keeps_a_prefix_of_the_training_split_and_the_same_held_out_lines():
+    from examples.minilm_lora import SpeakerLines
+
+    full, part = SpeakerLines(max_length=8), SpeakerLines(max_length=8, train_size=100)
+    full.setup("fit"), part.setup("fit")
+    assert len(full.train_set) == 3260 and len(part.train_set) == 100
+    assert part.train_set.indices == full.train_set.indices[:100] and part.val_set.indices == full.val_set.indices
+    for bad in (0, 3261):
+        with pytest.raises(ValueError, match=f"train_size={bad}.*3260 lines"):
+            SpeakerLines(train_size=bad).setup("fit")
+
+
+@needs_minilm
 def test_minilm_lora_trains_only_supported_adapters_and_head():
     from examples.minilm_lora import MiniLMClassifier
     from lightning_dpzero import PerSampleEngine
