@@ -19,7 +19,7 @@ from lightning_dpzero.accounting.ledger import LedgerEntry
 from lightning_dpzero.blt import BLTNoiseSource
 from lightning_dpzero.noise import NoiseSource
 from lightning_dpzero.sampling.cyclic import cyclic_parts
-from test_correlated_noise import BATCH, N, Module, Rows, _released_noise, _trainer
+from test_correlated_noise import BATCH, N, Module, Rows, _released_noise, _trainer, fabric_loop
 
 RANDOM = [BLTParams((0.9, 0.4), (0.3, 0.2)), BLTParams((0.7,), (0.5,)), BLTParams((0.99, 0.5, 0.1), (0.05, 0.4, 1.0))]
 
@@ -183,26 +183,8 @@ def test_a_resume_with_another_mechanism_or_sigma_is_refused(tmp_path, now, matc
 def test_a_fabric_loop_resumed_with_other_max_steps_continues_the_ledgers_blt(tmp_path):
     """A Fabric loop fixes its plan (θ, ω optimised for its own max_steps) before ``fabric.load``; the load then
     re-keys the plan to the ledger's BLT, and the noise state continues."""
-    from lightning.fabric import Fabric
-    from torch import nn
-
-    from lightning_dpzero import DPFabricStrategy
-
     def loop(steps, load=None):
-        strategy = DPFabricStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=1.0, max_steps=steps, seed=3,
-                                    noise_mechanism="blt", bands=3)
-        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
-        fabric.launch()
-        net = nn.Linear(6, 3)
-        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        loader = fabric.setup_dataloaders(DataLoader(Rows(), batch_size=BATCH))
-        if load is not None:
-            fabric.load(load, {"model": model, "optimizer": optimizer})
-        for _, (x, y, idx) in zip(range(steps - strategy.ledger.steps), loader):
-            fabric.backward(nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-        return fabric, strategy, model, optimizer
+        return fabric_loop(steps, load, seed=3, noise_mechanism="blt", bands=3)[:4]
 
     fabric, strategy, model, optimizer = loop(2)
     fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})

@@ -297,27 +297,8 @@ def test_a_fabric_loop_samples_its_parts_and_releases_the_banded_noise(tmp_path)
 def test_a_fabric_resume_keeps_the_ledgers_parts_when_the_loader_was_built_first(tmp_path):
     """Without a seed the parts come from OS entropy; a Fabric loop builds its loader before ``fabric.load``, and
     the loaded ledger's partition then replaces the new one."""
-    from lightning.fabric import Fabric
-
-    from lightning_dpzero import DPFabricStrategy
-
     def loop(steps, load=None):
-        strategy = DPFabricStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=1.0, max_steps=steps,
-                                    noise_mechanism="banded-mf", bands=3)
-        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
-        fabric.launch()
-        net = nn.Linear(6, 3)
-        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        loader = fabric.setup_dataloaders(DataLoader(Rows(), batch_size=BATCH))
-        if load is not None:
-            fabric.load(load, {"model": model, "optimizer": optimizer})
-        seen = []
-        for _, (x, y, idx) in zip(range(steps - strategy.ledger.steps), loader):
-            seen.append((strategy.ledger.steps, idx.tolist()))
-            fabric.backward(nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-        return fabric, strategy, model, optimizer, seen
+        return fabric_loop(steps, load, noise_mechanism="banded-mf", bands=3)
 
     fabric, strategy, model, optimizer, _ = loop(2)
     fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
@@ -328,3 +309,28 @@ def test_a_fabric_resume_keeps_the_ledgers_parts_when_the_loader_was_built_first
     parts = cyclic_parts(N, 3, partition)
     assert [t for t, _ in seen] == [2, 3, 4]
     assert all(set(rows) <= set(parts[t % 3].tolist()) for t, rows in seen)
+
+
+def fabric_loop(steps, load=None, **strategy_kwargs):
+    """A Fabric loop over ``Rows`` with ``DPFabricStrategy(max_steps=steps, **strategy_kwargs)`` that loads the
+    checkpoint ``load`` (after building its loader, as a Fabric script does) and trains to ``steps``; returns
+    ``(fabric, strategy, model, optimizer, seen)``, ``seen`` the (ledger step, example indices) of each batch."""
+    from lightning.fabric import Fabric
+
+    from lightning_dpzero import DPFabricStrategy
+
+    strategy = DPFabricStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=1.0, max_steps=steps, **strategy_kwargs)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    net = nn.Linear(6, 3)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(Rows(), batch_size=BATCH))
+    if load is not None:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    seen = []
+    for _, (x, y, idx) in zip(range(steps - strategy.ledger.steps), loader):
+        seen.append((strategy.ledger.steps, idx.tolist()))
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return fabric, strategy, model, optimizer, seen
