@@ -1,14 +1,14 @@
-"""What banded-MF noise costs per optimizer step on a GPT-2 (the configuration of ``benchmarks.user_level``):
-the noise pre-hook over every parameter (``noise.make_noise_pre_hook``) with DP-SGD's independent noise and with
-``BandedNoiseSource`` at b = 2, 4, 16, against the private step's forward and backward (layer-wise clipping), and the
-memory the noise history holds.
+"""What correlated noise costs per optimizer step on a GPT-2 (the configuration of ``benchmarks.user_level``):
+the noise pre-hook over every parameter (``noise.make_noise_pre_hook``) with DP-SGD's independent noise, with
+``BandedNoiseSource`` at b = 2, 4, 16 and with ``BLTNoiseSource`` at d = 2, 4 buffers, against the private step's
+forward and backward (layer-wise clipping), and the memory the noise history (or BLT state) holds.
 
 One process, one torch thread, CPU time of the calling thread, median of ``--reps`` after ``--warmup``. Results go
 to ``benchmarks/results/correlated_noise_cost.json`` (``--out``).
 
 Usage::
 
-    python -m benchmarks.correlated_noise_cost [--reps 10] [--bands 2 4 16]
+    python -m benchmarks.correlated_noise_cost [--reps 10] [--bands 2 4 16] [--buffers 2 4]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main(argv=None) -> dict:
     import transformers as tf
 
     from lightning_dpzero.banded_mf import BandedNoiseSource
+    from lightning_dpzero.blt import BLTNoiseSource, BLTParams
     from lightning_dpzero.noise import NoiseSource, make_noise_pre_hook
     from lightning_dpzero.per_sample import PerSampleEngine
 
@@ -37,6 +38,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bands", type=int, nargs="+", default=[2, 4, 16])
+    ap.add_argument("--buffers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
@@ -68,6 +70,14 @@ def main(argv=None) -> dict:
         hook = make_noise_pre_hook(lambda: (1.0, 1e-3), source, lambda: None)
         row[f"noise_b{bands}"] = _time(lambda: hook(optimizer, (), {}), args.reps, args.warmup)
         row[f"history_mb_b{bands}"] = (bands - 1) * numel * 4 / 2**20
+    for d in args.buffers:  # the cost depends on d only: any decays and weights
+        source = BLTNoiseSource(NoiseSource(0, False, replicated=True, rank=0),
+                                BLTParams(tuple(0.5 + 0.4 * i / d for i in range(d)), (0.1,) * d))
+        hook = make_noise_pre_hook(lambda: (1.0, 1e-3), source, lambda: None)
+        row[f"noise_blt{d}"] = _time(lambda: hook(optimizer, (), {}), args.reps, args.warmup)
+        row[f"state_mb_blt{d}"] = d * numel * 4 / 2**20
+        row[f"step_blt{d}_over_dpsgd"] = ((row["dp_forward_backward"] + row[f"noise_blt{d}"])
+                                         / (row["dp_forward_backward"] + row["noise_b1"]))
     for bands in args.bands:
         row[f"step_b{bands}_over_dpsgd"] = ((row["dp_forward_backward"] + row[f"noise_b{bands}"])
                                            / (row["dp_forward_backward"] + row["noise_b1"]))

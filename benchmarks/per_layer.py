@@ -49,6 +49,7 @@ from torch.func import functional_call, grad, vmap
 
 from benchmarks.common import RESULTS, machine_info, md_table, median, profiler_peak_bytes, write_json
 from benchmarks.per_layer_rnn import FirstOutput, Bags, m_opacus
+from benchmarks.per_layer_token import KINDS as TOKEN_KINDS, make_token_case, token_label
 
 C = 1.0  # clipping threshold (every example is clipped at these scales)
 #: CPU clock of the timings: the calling thread's with one torch thread, else the whole process's
@@ -68,6 +69,10 @@ CASES = [
     dict(layer="rmsnorm", T=128, d=256, note="nn.RMSNorm(d): dedicated rule"),
     dict(layer="hf_rmsnorm", T=128, d=256, note="HF LlamaRMSNorm(d): rule matched by class name"),
     dict(layer="custom", T=128, d=256, note="a user's gated scale layer: generic rule only"),
+    # token-major blocks (per_layer_token.py): their layers get the examples' tokens as rows
+    dict(layer="flat_ffn", clipping="all-layer", T=128, d=256, hidden=1024, note="OPT's feed-forward on x.reshape(-1, d)"),
+    dict(layer="moe_generic", clipping="all-layer", T=128, d=256, hidden=512, experts=4, top_k=2, func=False, note="HF Mixtral block"),
+    dict(layer="moe_linear", clipping="all-layer", T=128, d=256, hidden=512, experts=4, top_k=2, func=False, note="nn.Linear experts"),
 ]
 #: cases timed with the generic rule too (engine_generic; the custom layer has only that one)
 GENERIC_TOO = ("rmsnorm", "hf_rmsnorm")
@@ -119,6 +124,8 @@ def make_case(case: dict, B: int, seed: int = 0):
         cls = nn.LSTM if kind == "lstm" else nn.GRU
         layer = FirstOutput(cls(case["d"], case["H"], num_layers=case["L"], bidirectional=case["bi"], batch_first=True))
         x = torch.randn(B, case["T"], case["d"])
+    elif kind in TOKEN_KINDS:
+        layer, x = make_token_case(case, B)
     elif kind == "embedding_bag":
         layer = Bags(nn.EmbeddingBag(case["vocab"], case["d"], mode="mean"))
         x = torch.randint(0, case["vocab"], (B, case["N"]))
@@ -154,7 +161,7 @@ def m_nondp(layer, x, R):
     return step
 
 
-def m_engine(layer, x, R, force: str | None = None):
+def m_engine(layer, x, R, force: str | None = None, clipping: str = "layer-wise"):
     from lightning_dpzero.per_sample import PerSampleEngine
     from lightning_dpzero.per_sample import paths, registry
 
@@ -164,13 +171,13 @@ def m_engine(layer, x, R, force: str | None = None):
         for key in [k for k in registry.NAMED_RULES if k[1] == type(layer).__name__]:
             del registry.NAMED_RULES[key]
         try:
-            eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
+            eng = PerSampleEngine(layer, max_grad_norm=C, clipping=clipping).attach()
         finally:
             registry.RULES.clear(), registry.NAMED_RULES.clear()
             registry.RULES.update(saved[0]), registry.NAMED_RULES.update(saved[1])
         force = None
     else:
-        eng = PerSampleEngine(layer, max_grad_norm=C, clipping="layer-wise").attach()
+        eng = PerSampleEngine(layer, max_grad_norm=C, clipping=clipping).attach()
     float_in = x.is_floating_point()
     original = paths.use_ghost, paths.use_reuse
     forced = {None: original, "ghost": (lambda *a: True, lambda *a: False),
@@ -281,7 +288,9 @@ def m_naive(layer, x, R):
 def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
     T, d, p = rows_shape(case)
     linear_like = case["layer"] in ("linear", "conv2d")
-    methods: dict[str, Callable] = {"nondp": m_nondp, "engine": m_engine}
+    # a block of several layers (token-major rows) is clipped all-layer, as the references clip (_clip_sum)
+    clip = case.get("clipping", "layer-wise")
+    methods: dict[str, Callable] = {"nondp": m_nondp, "engine": lambda l, x, r: m_engine(l, x, r, clipping=clip)}
     if linear_like:
         methods["engine_ghost"] = lambda l, x, r: m_engine(l, x, r, "ghost")
         methods["engine_inst"] = lambda l, x, r: m_engine(l, x, r, "inst")
@@ -306,8 +315,8 @@ def run_case(case: dict, B: int, warmup: int, reps: int) -> dict:
         steps[name] = make(copy.deepcopy(layer0), x, R)
         for _ in range(warmup):
             steps[name]()
-        if name == "engine":  # the path the engine took, as it records it (None: the layer's rule is exact)
-            out["engine_choice"] = next(iter(steps[name].engine.last_paths.values()), None)
+        if name == "engine":  # the paths the engine took, as it records them (None: the layer's rule is exact)
+            out["engine_choice"] = " + ".join(sorted(set(steps[name].engine.last_paths.values()))) or None
         if name.startswith("engine") and not linear_like:  # which rule clipped the layer
             out.setdefault("rules", {})[name] = type(steps[name].engine.hooks[0].rule).__name__
     wall = {n: [] for n in steps}
@@ -352,6 +361,8 @@ def case_label(case: dict) -> str:
         return f"Embedding V={case['vocab']} d={case['d']} T={case['T']}"
     if k in ("lstm", "gru"):
         return f"{k.upper()} T={case['T']} d=H={case['H']} L={case['L']}{' bi' if case['bi'] else ''}"
+    if k in TOKEN_KINDS:
+        return token_label(case)
     if k == "embedding_bag":
         return f"EmbeddingBag V={case['vocab']} d={case['d']} N={case['N']}"
     name = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "hf_rmsnorm": "LlamaRMSNorm", "custom": "GatedScale"}[k]

@@ -312,7 +312,11 @@ def render_doc(pl: dict | None, st: dict | None, command: str, rnn: dict | None 
             "clipping; `naive` one backward per example. Memory: " + pl["memory_method"] + ". The floor is "
             "1 + min(T(d+p), d·p)/(3·d·p). Every DP method's clipped gradient matched `func`'s (max relative "
             f"error {max(v.get('max_rel_err_vs_func', 0) for c in pl['cases'] for v in c['methods'].values()):.1e})."
-            + "".join(f" The rows {', '.join(m['cases'])} are from a later run with the same settings (each row's "
+            " The token-major rows are blocks of several layers given the examples' tokens as rows "
+            "(`benchmarks/per_layer_token.py`), clipped all-layer as the references are; where vmap cannot batch "
+            "an MoE's data-dependent routing, `naive` is the reference (max relative error "
+            f"{max([v.get('max_rel_err_vs_naive', 0) for c in pl['cases'] for v in c['methods'].values()] + [0]):.1e})."
+            + "".join(f" The rows {'; '.join(m['cases'])} are from a later run with the same settings (each row's "
                       "ratios come from one run)." for m in pl.get("merged_runs", [])),
             "",
             per_layer.render(pl),

@@ -204,9 +204,11 @@ def add_dp_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--noise-seed", type=int, default=None,
                    help="seed of the DP noise and sampling (reproducible runs; it warns why not in production); "
                         "default: drawn from OS entropy")
-    p.add_argument("--noise-mechanism", default="dp-sgd", choices=["dp-sgd", "banded-mf"],
-                   help="independent noise per step, or noise correlated over --bands steps")
-    p.add_argument("--bands", type=int, default=None, help="b, for --noise-mechanism banded-mf")
+    p.add_argument("--noise-mechanism", default="dp-sgd", choices=["dp-sgd", "banded-mf", "blt"],
+                   help="independent noise per step, noise correlated over --bands steps (banded-mf), or over the "
+                        "whole run (blt)")
+    p.add_argument("--bands", type=int, default=None, help="b, for --noise-mechanism banded-mf or blt: the cyclic "
+                                                           "parts")
     return p
 
 

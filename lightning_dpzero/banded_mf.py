@@ -27,17 +27,16 @@ fp32). With ``b = 1``, ``c_0 = 1`` and ``ν_t = z_t``: DP-SGD exactly, the same 
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from .util.options import NoiseMechanism, check_option
+from .blt import check_blt_supported
 
-__all__ = ["NoiseMechanism", "banded_coefficients", "coefficients_digest", "banded_matrix", "banded_accounting_steps",
-           "check_banded_supported", "BandedNoiseSource", "CorrelatedNoise"]
+__all__ = ["banded_coefficients", "coefficients_digest", "banded_matrix", "banded_accounting_steps",
+           "check_banded_supported", "BandedNoiseSource"]
 
 
 def banded_coefficients(bands: int) -> np.ndarray:
@@ -79,7 +78,8 @@ def banded_accounting_steps(steps: int, bands: int) -> int:
     return -(-int(steps) // int(bands))
 
 
-def check_banded_supported(bands: int, steps_per_epoch: int, poisson_sampling: bool = True) -> None:
+def check_banded_supported(bands: int, steps_per_epoch: int, poisson_sampling: bool = True,
+                           noise_mechanism: str = "banded-mf") -> None:
     """Refuse what the amplified BandMF analysis does not cover, before the first update.
 
     Raises:
@@ -88,9 +88,9 @@ def check_banded_supported(bands: int, steps_per_epoch: int, poisson_sampling: b
             analysis' min-separation no longer matches the epoch); ``poisson_sampling=False`` with b > 1
             (shuffled fixed-size batches have no amplification analysis with correlated noise).
     """
-    banded_coefficients(bands)
+    check_blt_supported(bands) if noise_mechanism == "blt" else banded_coefficients(bands)
     if bands > 1 and not poisson_sampling:
-        raise ValueError(f"noise_mechanism='banded-mf' with bands={bands} needs poisson_sampling=True: its privacy "
+        raise ValueError(f"noise_mechanism={noise_mechanism!r} with bands={bands} needs poisson_sampling=True: its privacy "
                          "analysis (cyclic Poisson sampling) does not cover fixed-size shuffled batches. Use "
                          "poisson_sampling=True, or bands=1 / noise_mechanism='dp-sgd'.")
     if bands > steps_per_epoch:
@@ -182,173 +182,3 @@ def expected_noise_covariance(steps: int, bands: int, std: float) -> np.ndarray:
     """``std² · C⁻¹ C⁻ᵀ`` (steps × steps): the covariance over steps of one coordinate of the released noise."""
     inv = np.linalg.inv(banded_matrix(steps, bands))
     return std ** 2 * inv @ inv.T
-
-
-
-class CorrelatedNoise:
-    """The noise mechanism of a run, as :class:`~lightning_dpzero.mechanism.DPMechanism` uses it: DP-SGD's
-    independent noise (``"dp-sgd"``, the default: every method is then a no-op) or BandMF (``"banded-mf"``).
-
-    For BandMF it holds what must outlive one noise source: the fixed partition of the training set into b parts
-    (its seed, recorded in the ledger and taken from it on resume), the noise history (from the live source or a
-    checkpoint), and the check that each micro-batch was drawn from the part of the step being charged.
-
-    Args:
-        noise_mechanism: ``"dp-sgd"`` or ``"banded-mf"``.
-        bands: b >= 1 for ``"banded-mf"`` (required); must be None (or 1) for ``"dp-sgd"``.
-        poisson_sampling, privacy_unit, max_micro_batch_size: the run's settings; BandMF's analysis (cyclic
-            Poisson sampling of examples) covers Poisson sampling of examples without a micro-batch bound only.
-
-    Raises:
-        ValueError: an unknown mechanism; bands missing, not an integer >= 1, or given for DP-SGD; BandMF (b > 1)
-            with fixed-size batches, user-level DP or a micro-batch bound.
-
-    Example:
-        >>> CorrelatedNoise("banded-mf", 4).record(partition_seed=7)["bands"]
-        4
-        >>> CorrelatedNoise("banded-mf", None)
-        Traceback (most recent call last):
-        ...
-        ValueError: noise_mechanism='banded-mf' needs bands=b, the number of bands of C (and of fixed parts the training set is split into): e.g. bands=4; bands=1 is DP-SGD.
-    """
-
-    def __init__(self, noise_mechanism: str = "dp-sgd", bands: Optional[int] = None, *, poisson_sampling: bool = True,
-                 privacy_unit: str = "example", max_micro_batch_size: Optional[int] = None) -> None:
-        self.noise_mechanism = check_option("noise_mechanism", noise_mechanism, NoiseMechanism)
-        self.partition_seed: Optional[int] = None
-        self.source: Optional[BandedNoiseSource] = None
-        self._pending: Optional[dict] = None  # a checkpoint's noise state, for the next source
-        self._steps: list[int] = []           # the step index of each micro-batch run since the last charge
-        if self.noise_mechanism == "dp-sgd":
-            if bands not in (None, 1):
-                raise ValueError(f"bands={bands!r} is for noise_mechanism='banded-mf'; DP-SGD has no bands. Pass "
-                                 "noise_mechanism='banded-mf' too, or drop bands.")
-            self.bands = 1
-            return
-        if bands is None:
-            raise ValueError("noise_mechanism='banded-mf' needs bands=b, the number of bands of C (and of fixed parts "
-                             "the training set is split into): e.g. bands=4; bands=1 is DP-SGD.")
-        banded_coefficients(bands)
-        self.bands = int(bands)
-        if self.bands > 1:
-            why = ("poisson_sampling=False" if not poisson_sampling else
-                   "privacy_unit='user'" if privacy_unit != "example" else
-                   "max_micro_batch_size" if max_micro_batch_size is not None else None)
-            if why is not None:
-                raise ValueError(f"noise_mechanism='banded-mf' with bands={self.bands} does not support {why}: its "
-                                 "privacy analysis covers cyclic Poisson sampling of examples, without a micro-batch "
-                                 f"bound. Drop {why}, or use noise_mechanism='dp-sgd'.")
-
-    @property
-    def banded(self) -> bool:
-        return self.noise_mechanism == "banded-mf"
-
-    @property
-    def cyclic(self) -> bool:
-        """Whether the sampler must be cyclic (b > 1)."""
-        return self.banded and self.bands > 1
-
-    def record(self, partition_seed: Optional[int] = None) -> Optional[dict]:
-        """What the ledger records (hashed): mechanism, b, the coefficients' digest, the partition seed (None for
-        DP-SGD)."""
-        if not self.banded:
-            return None
-        seed = self.partition_seed if partition_seed is None else partition_seed
-        return {"mechanism": "banded-mf", "bands": self.bands, "coefficients_digest": coefficients_digest(self.bands),
-                "partition_seed": None if seed is None else int(seed)}
-
-    def check_restored(self, restored: Optional[dict]) -> None:
-        """Refuse a resume whose ledger was written with another mechanism, b or coefficients."""
-        mine = self.record(partition_seed=-1)
-        theirs = None if restored is None else {**restored, "partition_seed": -1}
-        if mine != theirs:
-            def text(m):
-                return "noise_mechanism='dp-sgd'" if m is None else f"noise_mechanism='banded-mf', bands={m['bands']}"
-            raise ValueError(f"The checkpoint's privacy ledger was written with {text(restored)}; this run has "
-                             f"{text(mine)}. Changing the noise mechanism or b on resume is not covered by the privacy "
-                             "analysis: resume with the checkpoint's settings.")
-
-    def fix_partition(self, restored: Optional[dict], seed: Optional[int], broadcast: Callable[[int], int]) -> None:
-        """The partition seed: the restored ledger's (a resume keeps the parts), the run's seed, or OS entropy
-        shared by the ranks."""
-        if not self.banded or self.partition_seed is not None:
-            return
-        if restored is not None and restored.get("partition_seed") is not None:
-            self.partition_seed = int(restored["partition_seed"])
-        else:
-            self.partition_seed = int(seed) if seed is not None else int(broadcast(secrets.randbits(62)))
-
-    def sampler_options(self, step_source: Callable[[], int]) -> Optional[dict]:
-        """The ``cyclic`` argument of ``private_dataloader`` (None: an ordinary sampler)."""
-        if not self.cyclic:
-            return None
-        return {"bands": self.bands, "partition_seed": self.partition_seed, "step_source": step_source}
-
-    def wrap(self, base) -> Any:
-        """The noise source of a run: ``base`` itself (DP-SGD), or a :class:`BandedNoiseSource` over it that
-        continues the checkpoint's noise history (after a load) or the previous source's (a later fit)."""
-        if not self.banded:
-            return base
-        previous, self.source = self.source, BandedNoiseSource(base, self.bands)
-        if self._pending is not None:
-            self.source.load_state_dict(self._pending)
-            self._pending = None
-        elif previous is not None:
-            self.source.load_state_dict(previous.state_dict())
-        return self.source
-
-    def state_dict(self) -> Optional[dict]:
-        """This rank's noise state for a checkpoint (None: DP-SGD, or nothing noised yet)."""
-        return self.source.state_dict() if self.banded and self.source is not None else None
-
-    def load(self, state: Optional[dict], steps: int, rank: int, restored: Optional[dict] = None,
-             sampler: Any = None) -> None:
-        """A checkpoint was loaded whose ledger has ``steps`` steps and records ``restored`` (its
-        ``noise_mechanism``): its partition is the run's from now on (also for a ``sampler`` built before the load,
-        as a Fabric loop builds it), and its noise state ``state`` (this rank's) is the history the next source
-        continues. ``ValueError`` if BandMF's state is missing or for another mechanism."""
-        if not self.banded:
-            return
-        if restored is not None and restored.get("partition_seed") is not None:
-            self.partition_seed = int(restored["partition_seed"])
-            if hasattr(sampler, "set_partition"):
-                sampler.set_partition(self.partition_seed)
-        if state is None:
-            if steps == 0 or self.bands == 1:
-                self._pending = None
-                return
-            raise ValueError(f"The checkpoint holds no BandMF noise state for rank {rank}, so the correlated noise "
-                             "cannot continue (a checkpoint written without noise_mechanism='banded-mf', or by "
-                             "another number of processes). Resume from a checkpoint of this run.")
-        BandedNoiseSource(_NoBase(), self.bands).load_state_dict(state)  # refuses another mechanism or b now
-        self._pending = state
-
-    def note_micro_batch(self, sampler: Any) -> None:
-        """A micro-batch is about to run: the step index the cyclic ``sampler`` drew it for."""
-        if self.cyclic and sampler is not None and hasattr(sampler, "pop_step"):
-            found = sampler.pop_step()
-            if found is not None:
-                self._steps.append(found)
-
-    def check_step(self, step: int) -> None:
-        """Before step ``step`` (0-based) is charged and applied: every micro-batch of it came from part
-        ``step mod b``. ``RuntimeError`` otherwise (a batch drawn for another step: the separation of an example's
-        participations, on which the noise's sensitivity rests, would not hold)."""
-        drawn, self._steps = self._steps, []
-        wrong = sorted({t for t in drawn if t % self.bands != step % self.bands})
-        if wrong:
-            raise RuntimeError(f"noise_mechanism='banded-mf': optimizer step {step} ran micro-batches drawn for "
-                               f"step(s) {wrong} (part {wrong[0] % self.bands} instead of {step % self.bands}), so an "
-                               "example could take part twice within b steps. Train on the loader the strategy "
-                               "builds, without skipping or reordering its batches.")
-
-    def check_precision(self, fp16: bool) -> None:
-        """Refuse DeepSpeed's fp16 (a skipped overflow step would leave the noise history behind the parts)."""
-        if self.cyclic and fp16:
-            raise ValueError("noise_mechanism='banded-mf' does not support DeepSpeed's fp16 with dynamic loss "
-                             "scaling: an overflow skips an update that the parts' schedule counts. Use "
-                             "precision='bf16-mixed' or 32, or noise_mechanism='dp-sgd'.")
-
-
-class _NoBase:
-    secure_mode, replicated, rank = False, True, 0

@@ -92,7 +92,8 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
              limit_train_batches: Any = 1.0, noise_multiplier: Optional[float] = None,
              target_epsilon: Optional[float] = None, delta: float = 1e-5, accountant: str = "pld",
              poisson_sampling: bool = True, max_micro_batch_size: Optional[int] = None,
-             max_examples_per_user: Optional[int] = None, bands: Optional[int] = None) -> PlannedRun:
+             max_examples_per_user: Optional[int] = None, bands: Optional[int] = None,
+             noise_mechanism: Optional[str] = None) -> PlannedRun:
     """The privacy plan ``Trainer.fit`` with :class:`~lightning_dpzero.DPDeepSpeedStrategy` fixes, and its ε.
 
     Args:
@@ -117,7 +118,10 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
             (U and users per micro-batch), ε is per user and the plan records the unit. None: example-level.
             Raises ValueError when k < 1.
         bands: b, for ``noise_mechanism="banded-mf"``: cyclic Poisson sampling over b parts, ε of ⌈T/b⌉ rounds at
-            rate b·q (None or 1: DP-SGD's accounting).
+            rate b·q (None or 1: DP-SGD's accounting); for ``noise_mechanism="blt"``, b >= 2 parts.
+        noise_mechanism: as the strategy's; None: ``"banded-mf"`` when ``bands`` > 1, else ``"dp-sgd"``. For
+            ``"blt"`` the plan holds the BLT the Trainer optimises for the planned steps (ten epochs when the run
+            is unbounded), ε that of one Gaussian mechanism at σ / Δ (not amplified).
 
     Raises:
         ValueError: what the run would refuse: q > 1, a target without σ for an unbounded run, an explicit σ
@@ -140,13 +144,15 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
     micro = limited_micro_batches(_micro_batches_per_epoch(dataset_size, q, batch_size, world, k, poisson_sampling),
                                   limit_train_batches)
     sampler = "poisson" if poisson_sampling else "shuffle"
-    if bands is not None and int(bands) > 1:  # banded MF: the strategy refuses it with fixed-size batches
-        from .accounting.banded import cyclic_sampler_kind
-
+    if bands is not None and int(bands) > 1:  # correlated noise: the strategy refuses it with fixed-size batches
         if not poisson_sampling or max_micro_batch_size is not None:
-            raise ValueError("bands > 1 (noise_mechanism='banded-mf') needs Poisson sampling without a micro-batch "
-                             "bound: drop --no-poisson / --max-micro-batch-size, or --bands.")
-        sampler = cyclic_sampler_kind(int(bands))
+            raise ValueError("bands > 1 (noise_mechanism='banded-mf' or 'blt') needs Poisson sampling without a "
+                             "micro-batch bound: drop --no-poisson / --max-micro-batch-size, or --bands.")
+        sampler = _correlated_sampler(noise_mechanism, int(bands), micro // k or 1, max_steps, max_epochs)
+    elif noise_mechanism == "blt":
+        from .blt import check_blt_supported
+
+        check_blt_supported(bands)
     bound = None
     if check_max_micro_batch_size(max_micro_batch_size) is not None:
         if not poisson_sampling:  # fixed-size batches are never truncated: only a b below B is wrong
@@ -165,9 +171,9 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
                                                        "max_examples_per_user": int(max_examples_per_user)})
     p = plan.truncation_probability
     eps = {}
+    rate, sigma_acc, count = _accounted(q, plan.noise_multiplier, plan.planned_steps or 0, sampler)
     for acc in ("pld", "rdp"):
-        eps[acc] = (epsilon_for(plan.noise_multiplier, delta, *_accounted(q, plan.planned_steps, sampler), acc,
-                                truncation=p) if plan.planned_steps else None)
+        eps[acc] = (epsilon_for(sigma_acc, delta, rate, count, acc, truncation=p) if plan.planned_steps else None)
     fits = None
     if target_epsilon is not None and noise_multiplier is not None:
         with contextlib.suppress(ValueError):  # more than 1e9 steps fit: say nothing
@@ -177,12 +183,27 @@ def plan_run(dataset_size: int, batch_size: int, *, devices: int = 1, num_nodes:
                       calibrated=noise_multiplier is None)
 
 
-def _accounted(q: float, steps: int, sampler: str) -> tuple[float, int]:
-    """``(q, steps)`` as the accountant composes them (banded MF: its rounds; ``accounting/banded.py``)."""
+def _accounted(q: float, sigma: float, steps: int, sampler: str) -> tuple[float, float, int]:
+    """``(q, σ, steps)`` as the accountant composes them (banded MF: its rounds; BLT: one Gaussian at σ / Δ;
+    ``accounting/banded.py``)."""
     from .accounting.banded import equivalent_run
 
-    rate, _, count = equivalent_run(q, 0.0, steps, sampler)
-    return rate, count
+    rate, sigma_acc, count = equivalent_run(q, sigma, steps, sampler)
+    return rate, sigma_acc, count
+
+
+def _correlated_sampler(noise_mechanism: Optional[str], bands: int, steps_per_epoch: int,
+                        max_steps: Optional[int], max_epochs: Optional[int]) -> str:
+    """The ledger sampler a correlated-noise run charges (BLT: with θ, ω optimised as the Trainer does)."""
+    from .accounting.banded import cyclic_sampler_kind
+
+    if noise_mechanism != "blt":
+        return cyclic_sampler_kind(bands)
+    from .accounting.blt import blt_for_run, blt_sampler_kind
+
+    planned = max_steps if max_steps is not None and max_steps > 0 else (
+        max_epochs * steps_per_epoch if max_epochs is not None and max_epochs > 0 else None)
+    return blt_sampler_kind(bands, blt_for_run(planned, steps_per_epoch, bands))
 
 
 # ---------------------------------------------------------------------------------------------- from a config
@@ -229,7 +250,8 @@ def settings_from_config(cli_args: Sequence[str]) -> dict[str, Any]:
             "noise_multiplier": strategy.noise_multiplier, "poisson_sampling": strategy.poisson_sampling,
             **({"max_micro_batch_size": strategy.max_micro_batch_size}
                if strategy.max_micro_batch_size is not None else {}),
-            **({"bands": strategy.mechanism.bands} if strategy.noise_mechanism == "banded-mf" else {}),
+            **({"bands": strategy.mechanism.bands, "noise_mechanism": strategy.noise_mechanism}
+               if strategy.noise_mechanism != "dp-sgd" else {}),
             **({"target_epsilon": settings.target_epsilon, "delta": settings.delta,
                 "accountant": settings.accountant} if settings is not None else {})}
 
@@ -314,6 +336,9 @@ def _parser() -> argparse.ArgumentParser:
                         "truncation's share of delta is reported and sigma calibrated without it)")
     p.add_argument("--bands", type=int, metavar="b",
                    help="noise_mechanism='banded-mf' with b bands: epsilon of ceil(steps/b) rounds at rate b*q")
+    p.add_argument("--noise-mechanism", choices=["dp-sgd", "banded-mf", "blt"],
+                   help="the strategy's noise_mechanism (default: banded-mf with --bands, else dp-sgd); blt: b = "
+                        "--bands cyclic parts, one Gaussian mechanism over the run")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw epsilon against steps up to the planned steps")
     p.add_argument("--points", type=int, default=100, help="about how many step counts the plot evaluates")

@@ -166,10 +166,11 @@ class TimeFirstNet(nn.Module):
 
 
 def build_model(kind):
-    if kind.startswith("zoo:"):  # the HuggingFace models of tests/zoo.py
+    if kind.startswith(("zoo:", "zoo_lora:")):  # the HuggingFace models of tests/zoo.py, with LoRA adapters or not
         import zoo
 
-        return zoo.build(kind[4:])
+        family = kind.split(":", 1)[1]
+        return zoo.with_lora(zoo.build(family), family) if kind.startswith("zoo_lora:") else zoo.build(family)
     return {"token": TokenNet, "ckpt": CheckpointedNet, "conv": ConvNet, "wide": WideNet, "wide2": WideTwoLayers,
             "vit": TinyViT, "rnn": RNNLM, "bag": BagNet, "timefirst": TimeFirstNet, "generic": GenericNet}[kind]()
 
@@ -179,10 +180,10 @@ LOOP_ORACLE = {"rnn", "bag", "ckpt"}
 
 
 def make_dataset(kind, n):
-    if kind.startswith("zoo:"):
+    if kind.startswith(("zoo:", "zoo_lora:")):
         import zoo
 
-        return zoo.make_data(kind[4:], n)
+        return zoo.make_data(kind.split(":", 1)[1], n)
     g = torch.Generator().manual_seed(42)
     if kind in ("rnn", "bag"):  # sequences of 1..6 tokens (1..12), padded with token 0
         x = torch.randint(1, 13, (n, 6), generator=g)

@@ -93,8 +93,13 @@ def test_parts_never_overlap_and_cover_every_example():
         parts = cyclic_parts(n, b, partition_seed=5)
         allidx = np.concatenate(parts)
         assert len(allidx) == n and len(set(allidx.tolist())) == n and set(allidx.tolist()) == set(range(n))
-        assert max(map(len, parts)) - min(map(len, parts)) <= 1
         assert all(np.array_equal(x, y) for x, y in zip(parts, cyclic_parts(n, b, 5)))
+        # each example's part is its own draw: one more example leaves every other example's part as it was (the
+        # coupling add/remove adjacency needs; equal pieces of a permutation would move the cuts)
+        more = cyclic_parts(n + 1, b, partition_seed=5)
+        assert all(np.array_equal(x, y[y < n]) for x, y in zip(parts, more))
+    sizes = [len(p) for p in cyclic_parts(40_000, 4, 1)]
+    assert all(abs(k - 10_000) < 400 for k in sizes)  # about N/b each (sd 87)
     # two ranks: each samples only its shard of the step's part; the union is the part's sample
     n, b = 60, 3
     parts = cyclic_parts(n, b, 9)

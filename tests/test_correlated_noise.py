@@ -1,6 +1,6 @@
 """Correlated noise through the Trainer (``noise_mechanism="banded-mf"``): the released noise's covariance over
 steps, b = 1 as DP-SGD, the ε of the equivalent rounds, cyclic parts, resume mid-band, and the refusals
-(``banded_mf.CorrelatedNoise``, ``sampling/cyclic.py``, ``accounting/banded.py``)."""
+(``mechanism.correlated.CorrelatedNoise``, ``sampling/cyclic.py``, ``accounting/banded.py``)."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_a_resume_with_another_mechanism_or_bands_is_refused(tmp_path, now, matc
     ({"noise_mechanism": "banded-mf", "bands": 4, "privacy_unit": "user", "max_examples_per_user": 1},
      "privacy_unit='user'"),
     ({"noise_mechanism": "banded-mf", "bands": 0}, "bands=0"),
-    ({"noise_mechanism": "blt", "bands": 4}, "noise_mechanism='blt' is not supported"),
+    ({"noise_mechanism": "blt", "bands": 1}, "bands=b >= 2"),
 ])
 def test_settings_the_analysis_does_not_cover_are_refused_when_constructed(settings, match):
     with pytest.raises(ValueError, match=match):
@@ -221,14 +221,17 @@ def test_more_bands_than_steps_per_epoch_is_refused_before_the_first_update():
 def test_banded_mf_on_zero3_with_two_processes(tmp_path):
     """ZeRO-3 on 2 processes: σ = 0 with accumulation equals the replay of Σ clip(g_i) / B_exp over the batches
     the ranks drew, each from its step's part; σ = 1 with zero gradients releases noise whose covariance over
-    steps is C⁻¹C⁻ᵀ, each rank noising its own partition (as ZeRO-0 on one process does the whole)."""
+    steps is C⁻¹C⁻ᵀ, each rank noising its own partition (as ZeRO-0 on one process does the whole), for banded
+    MF and for a BLT."""
     from harness import expected_params, run_cases
 
     base = dict(stage=3, C=0.3, clipping="all-layer", clipping_fn="abadi", poisson=True, n=48, batch_size=2, lr=0.5)
     cases = [dict(base, name="banded_replay", model="token", sigma=0.0, accumulate=2, steps=5,
                   strategy_kwargs=dict(noise_mechanism="banded-mf", bands=3)),
              dict(base, name="banded_noise", model="wide", sigma=1.0, accumulate=1, steps=6, zero_loss=True,
-                  lr=1.0, record_steps=True, strategy_kwargs=dict(noise_mechanism="banded-mf", bands=3))]
+                  lr=1.0, record_steps=True, strategy_kwargs=dict(noise_mechanism="banded-mf", bands=3)),
+             dict(base, name="blt_noise", model="wide", sigma=1.0, accumulate=1, steps=6, zero_loss=True,
+                  lr=1.0, record_steps=True, strategy_kwargs=dict(noise_mechanism="blt", bands=3))]
     results = run_cases(cases, tmp_path, world_size=2, timeout=900)
 
     replay = results["banded_replay"]
@@ -245,6 +248,15 @@ def test_banded_mf_on_zero3_with_two_processes(tmp_path):
     flat = torch.stack([torch.cat([p[n].flatten() for n in sorted(p)]).double() for p in noise["steps"]])
     nu = ((flat[:-1] - flat[1:]) / std).numpy()  # (6 steps, 33,024 coordinates: both ranks' partitions)
     np.testing.assert_allclose(nu @ nu.T / nu.shape[1], expected_noise_covariance(6, 3, 1.0), atol=0.05)
+
+    from lightning_dpzero.accounting.blt import blt_of  # BLT: each rank runs the recursion on its own partition
+
+    blt = results["blt_noise"]
+    params = blt_of(blt["ledger"]["entries"][0]["sampler"])[1]
+    flat = torch.stack([torch.cat([p[n].flatten() for n in sorted(p)]).double() for p in blt["steps"]])
+    nu = ((flat[:-1] - flat[1:]) / std).numpy()
+    inv = np.linalg.inv(params.matrix(6))
+    np.testing.assert_allclose(nu @ nu.T / nu.shape[1], inv @ inv.T, atol=0.05)
 
 
 def test_a_fabric_loop_samples_its_parts_and_releases_the_banded_noise(tmp_path):
@@ -285,27 +297,8 @@ def test_a_fabric_loop_samples_its_parts_and_releases_the_banded_noise(tmp_path)
 def test_a_fabric_resume_keeps_the_ledgers_parts_when_the_loader_was_built_first(tmp_path):
     """Without a seed the parts come from OS entropy; a Fabric loop builds its loader before ``fabric.load``, and
     the loaded ledger's partition then replaces the new one."""
-    from lightning.fabric import Fabric
-
-    from lightning_dpzero import DPFabricStrategy
-
     def loop(steps, load=None):
-        strategy = DPFabricStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=1.0, max_steps=steps,
-                                    noise_mechanism="banded-mf", bands=3)
-        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
-        fabric.launch()
-        net = nn.Linear(6, 3)
-        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-        loader = fabric.setup_dataloaders(DataLoader(Rows(), batch_size=BATCH))
-        if load is not None:
-            fabric.load(load, {"model": model, "optimizer": optimizer})
-        seen = []
-        for _, (x, y, idx) in zip(range(steps - strategy.ledger.steps), loader):
-            seen.append((strategy.ledger.steps, idx.tolist()))
-            fabric.backward(nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-        return fabric, strategy, model, optimizer, seen
+        return fabric_loop(steps, load, noise_mechanism="banded-mf", bands=3)
 
     fabric, strategy, model, optimizer, _ = loop(2)
     fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
@@ -316,3 +309,28 @@ def test_a_fabric_resume_keeps_the_ledgers_parts_when_the_loader_was_built_first
     parts = cyclic_parts(N, 3, partition)
     assert [t for t, _ in seen] == [2, 3, 4]
     assert all(set(rows) <= set(parts[t % 3].tolist()) for t, rows in seen)
+
+
+def fabric_loop(steps, load=None, **strategy_kwargs):
+    """A Fabric loop over ``Rows`` with ``DPFabricStrategy(max_steps=steps, **strategy_kwargs)`` that loads the
+    checkpoint ``load`` (after building its loader, as a Fabric script does) and trains to ``steps``; returns
+    ``(fabric, strategy, model, optimizer, seen)``, ``seen`` the (ledger step, example indices) of each batch."""
+    from lightning.fabric import Fabric
+
+    from lightning_dpzero import DPFabricStrategy
+
+    strategy = DPFabricStrategy(stage=2, noise_multiplier=1.0, max_grad_norm=1.0, max_steps=steps, **strategy_kwargs)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    net = nn.Linear(6, 3)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = fabric.setup_dataloaders(DataLoader(Rows(), batch_size=BATCH))
+    if load is not None:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    seen = []
+    for _, (x, y, idx) in zip(range(steps - strategy.ledger.steps), loader):
+        seen.append((strategy.ledger.steps, idx.tolist()))
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return fabric, strategy, model, optimizer, seen

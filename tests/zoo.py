@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import zoo_moe
 import zoo_torch
 
 V, T, D = 32, 8, 16  # vocabulary, tokens per example, hidden size
@@ -160,16 +161,13 @@ def _convnext():
 
 def _mamba():
     """Mamba: each mixer's ``A_log`` ``(2D, N)`` and ``D`` ``(2D,)`` are used directly in its selective scan (the
-    reference PyTorch implementation on the CPU). ``dt_proj`` and ``conv1d`` are frozen: the mixer reads their
-    weights without calling them (``dt_proj.weight @ h``, ``F.conv1d(h, conv1d.weight, ...)``), which the engine
-    refuses."""
+    reference PyTorch implementation on the CPU), and it reads its ``conv1d``'s and ``dt_proj``'s parameters without
+    calling them (``F.conv1d(h, conv1d.weight.unsqueeze(1), conv1d.bias, groups=C)``, ``dt_proj.weight @ h``, the
+    bias added to the time steps): all trained, as parameters used directly."""
     import transformers as tf
 
-    model = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=D, state_size=4, num_hidden_layers=2,
-                                               expand=2, conv_kernel=3, time_step_rank=4, use_mambapy=False))
-    for name, p in model.named_parameters():
-        p.requires_grad_("dt_proj" not in name and "conv1d" not in name)
-    return model
+    return tf.MambaForCausalLM(tf.MambaConfig(vocab_size=V, hidden_size=D, state_size=4, num_hidden_layers=2,
+                                              expand=2, conv_kernel=3, time_step_rank=4, use_mambapy=False))
 
 
 class _VisionHead(nn.Module):
@@ -266,8 +264,11 @@ ZOO = {
     "mamba": (lambda: LM(_mamba()), "lm"),
     # token-major layers (per_sample/token_major.py): rows (B·m, d) whose examples the engine follows
     "opt": (lambda: LM(_opt()), "lm"),
+    # OPT's decoder layer reshapes in its own forward, which HF's checkpointing recomputes without its hooks
+    "opt_checkpointed": (lambda: LM(_checkpointed(_opt())), "lm"),
     "mixtral": (lambda: LM(_moe("mixtral")), "lm"),
     "qwen2_moe": (lambda: LM(_moe("qwen2_moe")), "lm"),
+    "mixtral_linear": (lambda: LM(zoo_moe.mixtral_linear(V, D, 24)), "lm"),  # nn.Linear experts on gathered rows
     "swin": (lambda: Classifier(_swin(), "pixel_values"), "image"),
     # PyTorch's own Transformer modules (zoo_torch.py)
     "torch_encoder_lm": (zoo_torch.EncoderLM, "lm"),
@@ -301,14 +302,28 @@ def make_data(kind: str, n: int, seed: int = 42) -> tuple[torch.Tensor, torch.Te
     return x, torch.randint(0, V, (n, T - ENC if inputs == "seq2seq" else T), generator=g)
 
 
+#: peft ``target_modules`` per family, as a user would choose them: the attention's query and value projections
+#: (GPT-2's fused ``c_attn``; ViT's and Swin's are ``q_proj``, ``v_proj`` since transformers 5); ConvNeXt has no attention: its pointwise ``nn.Linear`` layers; Mamba: its mixers'
+#: input projection and x_proj (peft refuses ``out_proj`` and ``conv1d`` on Mamba: its CUDA kernels read them);
+#: the ``nn.Linear`` experts too, whose adapters then get the rows gathered for each expert
+LORA_TARGETS = {"gpt2": ["c_attn"], "t5": ["q", "v"], "bert": ["query", "value"], "convnext": ["pwconv1", "pwconv2"],
+                "mamba": ["in_proj", "x_proj"], "mixtral_linear": ["q_proj", "v_proj", "w1", "w2", "w3"]}
+#: the classifiers' new heads, trained next to the adapters (peft's ``modules_to_save``, as its SEQ_CLS task does);
+#: CLIP's head is ours, outside the tower peft wraps, and trains as it is
+LORA_HEADS = {"bert": ["classifier"], "vit": ["classifier"], "swin": ["classifier"], "convnext": ["classifier"],
+              "wav2vec2": ["projector", "classifier"]}
+
+
 def with_lora(model: nn.Module, kind: str) -> nn.Module:
-    """LoRA adapters (peft) on the attention projections of a decoder; every other parameter frozen."""
+    """LoRA adapters (peft, r = 2) on ``LORA_TARGETS[kind]`` (default ``q_proj``, ``v_proj``) of the wrapped
+    HuggingFace model, and its classifier head in ``modules_to_save``; every other parameter frozen."""
     import peft
 
-    targets = ["c_attn"] if kind == "gpt2" else ["q_proj", "v_proj"]
-    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,
-                             fan_in_fan_out=kind == "gpt2")
-    model.model = peft.get_peft_model(model.model, config)
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                             target_modules=LORA_TARGETS.get(kind, ["q_proj", "v_proj"]),
+                             modules_to_save=LORA_HEADS.get(kind), fan_in_fan_out=kind == "gpt2")
+    attr = "tower" if isinstance(model, _VisionHead) else "model"
+    setattr(model, attr, peft.get_peft_model(getattr(model, attr), config))
     with torch.no_grad():  # peft starts B at zero: make the adapters' gradients and updates non-trivial
         for n, p in model.named_parameters():
             if "lora_B" in n:

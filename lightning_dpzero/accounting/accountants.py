@@ -34,7 +34,8 @@ import dp_accounting
 
 from ..util.options import Accountant
 from . import pld as _pld
-from .banded import equivalent_run
+from .banded import equivalent_run, noise_scale
+from .blt import blt_of
 from .rdp import rdp_epsilon
 from .truncation import epsilon_with_truncation, step_probability, truncation_share
 
@@ -74,8 +75,9 @@ def make_accountant(name: str = "pld", value_discretization_interval: float = 1e
 def _as_runs(entries: Iterable) -> tuple:
     """Validated ``(q, sigma, steps)`` tuples from objects with ``sample_rate``, ``noise_multiplier``
     and ``steps`` attributes (e.g. ``LedgerEntry``); runs with zero steps are dropped. An entry whose ``sampler``
-    is ``"cyclic-poisson:b"`` (banded matrix factorization) gives :func:`.banded.equivalent_run`'s run."""
-    runs = []
+    is ``"cyclic-poisson:b"`` (banded matrix factorization) gives :func:`.banded.equivalent_run`'s run; the entries
+    of one BLT stream (``"cyclic-blt:..."``) give one run, ``(1, σ / Δ, 1)``, where the stream first appears."""
+    runs, blt_streams = [], {}
     for e in entries:
         q, s, n = float(e.sample_rate), float(e.noise_multiplier), int(e.steps)
         if not 0.0 < q <= 1.0:
@@ -84,16 +86,36 @@ def _as_runs(entries: Iterable) -> tuple:
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {s!r}.")
         if n < 0:
             raise ValueError(f"steps must be >= 0, got {n!r}.")
-        if n:  # correlated noise (sampler "cyclic-poisson:b"): its equivalent Poisson composition (banded.py)
-            runs.append(equivalent_run(q, s, n, getattr(e, "sampler", "poisson")))
+        sampler = getattr(e, "sampler", "poisson")
+        if n and blt_of(sampler) is not None:  # BLT: one Gaussian over its whole stream, filled in below
+            if sampler not in blt_streams:
+                blt_streams[sampler] = (len(runs), [])
+                runs.append(None)
+            blt_streams[sampler][1].append((n, s))
+        elif n:  # correlated noise (sampler "cyclic-poisson:b"): its equivalent Poisson composition (banded.py)
+            runs.append(equivalent_run(q, s, n, sampler))
+    for sampler, (at, parts) in blt_streams.items():
+        # one entry per stream is what the ledger writes; a ledger with several (written by hand) is taken at the
+        # smallest σ and the larger of the two readings, one stream of Σ T_i steps or separate streams
+        sigma = min(s for _, s in parts)
+        whole = noise_scale(sampler, sum(n for n, _ in parts)) ** 2
+        apart = sum(noise_scale(sampler, n) ** 2 for n, _ in parts)
+        runs[at] = (1.0, sigma / math.sqrt(max(whole, apart)), 1)
     return tuple(runs)
 
 
 def _exceed_probabilities(entries: Iterable) -> tuple:
     """Per step, the probability bound that a bounded micro-batch truncates a draw, for each run of
-    :func:`_as_runs` (0.0 for an entry without ``micro_batch_bound``; docs/privacy.md, *Bounded micro-batches*)."""
-    return tuple(step_probability(getattr(e, "micro_batch_bound", None), e.sample_rate) for e in entries
-                 if int(e.steps))
+    :func:`_as_runs`, in its order (0.0 for an entry without ``micro_batch_bound``; docs/privacy.md, *Bounded
+    micro-batches*)."""
+    out, streams = [], set()
+    for e in entries:
+        sampler = getattr(e, "sampler", "poisson")
+        if not int(e.steps) or (blt_of(sampler) is not None and sampler in streams):
+            continue  # no run, or merged into its BLT stream's run
+        streams.add(sampler)
+        out.append(step_probability(getattr(e, "micro_batch_bound", None), e.sample_rate))
+    return tuple(out)
 
 
 def _truncation_of_runs(runs: tuple, tails: tuple) -> float:

@@ -17,8 +17,10 @@ import dataclasses
 import re
 from typing import Iterable, Optional
 
-__all__ = ["CYCLIC_PREFIX", "cyclic_sampler_kind", "bands_of", "sampler_text", "equivalent_run", "BandedEvent", "banded_event",
-           "banded_entries"]
+from .blt import blt_of, blt_sensitivity
+
+__all__ = ["CYCLIC_PREFIX", "cyclic_sampler_kind", "bands_of", "parts_of", "sampler_text", "equivalent_run",
+           "noise_scale", "BandedEvent", "banded_event", "banded_entries"]
 
 CYCLIC_PREFIX = "cyclic-poisson"
 _CYCLIC = re.compile(r"^cyclic-poisson:([1-9][0-9]*)$")
@@ -40,6 +42,12 @@ def bands_of(sampler: str) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+def parts_of(sampler: str) -> Optional[int]:
+    """The number of cyclic parts b of a correlated-noise sampler (banded MF's or BLT's); None for any other."""
+    blt = blt_of(sampler)
+    return blt[0] if blt is not None else bands_of(sampler)
+
+
 def sampler_text(sampler: str) -> str:
     """A ledger sampler in words, for the run's summary lines.
 
@@ -50,13 +58,18 @@ def sampler_text(sampler: str) -> str:
     b = bands_of(sampler)
     if b is not None:
         return f"cyclic Poisson over {b} parts, banded-MF noise"
+    blt = blt_of(sampler)
+    if blt is not None:
+        return f"cyclic Poisson over {blt[0]} parts, BLT noise with {blt[1].buffers} buffers, not amplified"
     return "Poisson" if sampler == "poisson" else "shuffled batches"
 
 
 def equivalent_run(sample_rate: float, noise_multiplier: float, steps: int, sampler: str = "poisson"
                    ) -> tuple[float, float, int]:
     """``(q, σ, steps)`` as the Poisson-subsampled Gaussian composition the accountant composes: unchanged for
-    ``"poisson"`` and ``"shuffle"``, ``(b·q, σ, ⌈steps / b⌉)`` for ``"cyclic-poisson:<b>"``.
+    ``"poisson"`` and ``"shuffle"``, ``(b·q, σ, ⌈steps / b⌉)`` for ``"cyclic-poisson:<b>"``, and for BLT noise
+    (``"cyclic-blt:..."``) one Gaussian mechanism, ``(1, σ / Δ_steps, 1)`` with Δ its exact sensitivity over the
+    steps (:func:`.blt.blt_sensitivity`; a run of several entries is merged first, ``accountants._as_runs``).
 
     Raises ValueError when ``b · q > 1`` (a part smaller than one expected batch).
 
@@ -66,12 +79,28 @@ def equivalent_run(sample_rate: float, noise_multiplier: float, steps: int, samp
     """
     b = bands_of(sampler)
     if b is None:
+        if blt_of(sampler) is not None and int(steps) > 0:
+            return 1.0, float(noise_multiplier) / noise_scale(sampler, steps), 1
         return float(sample_rate), float(noise_multiplier), int(steps)
     q_b = b * float(sample_rate)
     if q_b > 1 + 1e-12:
         raise ValueError(f"q_b = bands · q = {b} · {sample_rate:g} > 1: each of the b parts holds fewer examples "
                          "than one expected batch. Use fewer bands or a smaller batch.")
     return min(q_b, 1.0), float(noise_multiplier), -(-int(steps) // b)
+
+
+def noise_scale(sampler: str, steps: Optional[int]) -> float:
+    """The factor from the accounted noise multiplier to σ: Δ over ``steps`` steps for BLT noise (σ = σ_acc · Δ),
+    1.0 for every other sampler or without steps.
+
+    Example:
+        >>> noise_scale("poisson", 100), noise_scale("cyclic-blt:4:0.5;0.0", 16)
+        (1.0, 2.0)
+    """
+    blt = blt_of(sampler)
+    if blt is None or not steps:
+        return 1.0
+    return blt_sensitivity(blt[1], int(steps), blt[0])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Optional
 from ..util.atomic import atomic_write_text
 from .accountants import EpsilonBound, _check_accountant, _check_delta, epsilon_bound
 from .banded import bands_of
+from .blt import blt_of
 from .truncation import MicroBatchBound, bound_fields
 
 SAMPLERS = ("poisson", "shuffle")
@@ -107,8 +108,9 @@ def _validate(sample_rate, noise_multiplier, sampler, steps):
     s = float(noise_multiplier)
     if not (s >= 0.0 and math.isfinite(s)):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}.")
-    if sampler not in SAMPLERS and bands_of(sampler) is None:
-        raise ValueError(f"sampler must be one of {SAMPLERS!r} or 'cyclic-poisson:<bands>', got {sampler!r}.")
+    if sampler not in SAMPLERS and bands_of(sampler) is None and blt_of(sampler) is None:
+        raise ValueError(f"sampler must be one of {SAMPLERS!r}, 'cyclic-poisson:<bands>' or 'cyclic-blt:...', got "
+                         f"{sampler!r}.")
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
 
@@ -242,6 +244,12 @@ class PrivacyLedger:
             prev = self._hashes[-2] if len(self._hashes) > 1 else self._genesis()
             self._hashes[-1] = self._entry_hash(prev, last)
         else:
+            if blt_of(sampler) is not None and any(e.sampler == sampler for e in self.entries):
+                # BLT's ε is that of one Gaussian mechanism over its whole noise stream (accounting/blt.py), at
+                # one σ: a second entry of the same stream would be accounted as a separate, weaker release
+                raise ValueError(f"noise_mechanism='blt': this step's q={q:g}, σ={s:g} differ from those its noise "
+                                 "stream was charged with; BLT is accounted as one Gaussian mechanism at one σ. "
+                                 "Keep the run's batch size and noise_multiplier (resume with the same settings).")
             entry = LedgerEntry.of(q, s, n, sampler, bound)
             self.entries.append(entry)
             self._hashes.append(self._entry_hash(self.head, entry))

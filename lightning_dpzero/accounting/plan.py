@@ -21,7 +21,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn as _rank_zero_warn
 from ..util.options import Accountant, Sampler, check_number, check_option
 from . import BudgetGuard, PrivacyLedger, calibrate_noise_multiplier, epsilon_for
 from .accountants import _check_delta
-from .banded import equivalent_run
+from .banded import equivalent_run, noise_scale
 from .truncation import (MAX_SHARE, MicroBatchBound, smallest_micro_batch_bound, step_probability,
                                    truncation_share)
 
@@ -181,11 +181,12 @@ class PrivacyPlan:
                 raise ValueError("target_epsilon needs a bounded run to calibrate σ: set Trainer(max_steps=...) "
                                  "or Trainer(max_epochs=...), or pass an explicit noise_multiplier (training then "
                                  "stops when the budget is spent).")
+            scale = noise_scale(sampler_kind, planned)  # BLT: σ = σ_acc · Δ over the planned steps (else 1)
             if sigma is None:
-                sigma = calibrate_noise_multiplier(target_epsilon, delta, q_acc, planned_acc, accountant,
-                                                   truncation=p)
+                sigma = scale * calibrate_noise_multiplier(target_epsilon, delta, q_acc, planned_acc, accountant,
+                                                           truncation=p)
             elif planned is not None:
-                eps = epsilon_for(sigma, delta, q_acc, planned_acc, accountant, truncation=p)
+                eps = epsilon_for(sigma / scale, delta, q_acc, planned_acc, accountant, truncation=p)
                 if eps > target_epsilon:
                     raise ValueError(_over_budget(sigma, eps, target_epsilon, delta, q, planned, accountant,
                                                   micro_batch_bound, sampler_kind))
@@ -283,8 +284,8 @@ def _over_budget(sigma: float, eps: float, target: float, delta: float, q: float
         return (head + f"only {fits} steps fit in the budget. Remove noise_multiplier to calibrate it, raise it, or "
                 f"train at most {fits} steps (Trainer(max_steps={fits})).")
     if sigma > 0:
-        q_one = equivalent_run(q, sigma, 1, sampler)[0]
-        one = epsilon_for(sigma, delta, q_one, 1, accountant, truncation=_planned_truncation(bound, q, 1))
+        q_one, sigma_one, _ = equivalent_run(q, sigma, 1, sampler)
+        one = epsilon_for(sigma_one, delta, q_one, 1, accountant, truncation=_planned_truncation(bound, q, 1))
         cost = f"a single step already costs ε={one:.3g}"
     else:
         cost = "without noise every step costs ε=∞"

@@ -15,4 +15,4 @@ COMMIT_FORMAT_VERSION = 1
 DEFAULT_TAG = "checkpoint"  #: the tag folder Lightning's DeepSpeedStrategy saves under
 #: rank 0's DeepSpeed model-states file (holds the client state): ZeRO 0-2 name, ZeRO-3 name
 MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-NOISE_STATE_FILE = "privacy_noise_rank{rank}.pt"  # a rank's correlated-noise history (banded_mf.CorrelatedNoise)
+NOISE_STATE_FILE = "privacy_noise_rank{rank}.pt"  # a rank's correlated-noise history (mechanism.correlated.CorrelatedNoise)

@@ -68,8 +68,8 @@ class DPDeepSpeedStrategy(DPSettings, DeepSpeedLaunchMixin, DeepSpeedStrategy):
         privacy_unit: ``"example"`` (default) or ``"user"``: user-level DP over the dataset's ``user_ids``, each
             sampled user contributing ``max_examples_per_user`` (k) rows; ε is per user
             (docs/how-to/user-level-dp.md).
-        noise_mechanism: ``"dp-sgd"`` (default), or ``"banded-mf"`` with ``bands`` = b: noise correlated over b
-            steps, cyclic Poisson sampling over b fixed parts (docs/how-to/correlated-noise.md).
+        noise_mechanism: ``"dp-sgd"`` (default); ``"banded-mf"`` (noise correlated over b steps) or ``"blt"`` (over
+            the whole run, not amplified), each with cyclic sampling over ``bands`` = b fixed parts (docs/how-to/correlated-noise.md).
         layout_check: ``"every-batch"`` (default): prove that layer inputs and loss are per example at the first
             micro-batch, then spot-check each later one (docs/reliability.md). ``"first-batch"``, ``"off"``.
 

@@ -4,6 +4,8 @@ and its loader and plan in ``data.py``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -15,7 +17,7 @@ from ..accounting.step_counts import ChargedUpdates, StepCounts
 from ..accounting import PrivacyLedger
 from ..accounting.truncation import check_max_micro_batch_size
 from ..noise import NoiseSource, StreamSeeds, make_noise_pre_hook, warn_explicit_seed
-from ..banded_mf import CorrelatedNoise
+from .correlated import CorrelatedNoise
 from ..per_sample import PerSampleEngine
 from ..accounting.plan import AccountingSettings, PrivacyPlan
 from ..sampling.users import check_privacy_unit
@@ -46,13 +48,13 @@ class DPMechanism(PlanAndData, LossChecks):
         privacy_unit: ``"example"`` (default) or ``"user"``: user-level DP (docs/how-to/user-level-dp.md).
         max_examples_per_user: k, the rows a sampled user contributes (``privacy_unit="user"`` only).
         noise_mechanism: ``"dp-sgd"`` (default) or ``"banded-mf"``: noise correlated over ``bands`` steps with
-            cyclic Poisson sampling (:class:`~lightning_dpzero.banded_mf.CorrelatedNoise`,
+            cyclic Poisson sampling (:class:`~lightning_dpzero.mechanism.correlated.CorrelatedNoise`,
             docs/how-to/correlated-noise.md).
         bands: b, for ``"banded-mf"``.
 
     Raises:
         ValueError: σ negative or not finite; σ > 0 with C = inf; b not an integer >= 1; what
-            :class:`~lightning_dpzero.banded_mf.CorrelatedNoise` refuses.
+            :class:`~lightning_dpzero.mechanism.correlated.CorrelatedNoise` refuses.
 
     Example:
         One private step in plain PyTorch (what the strategy does inside Lightning and DeepSpeed):
@@ -201,6 +203,12 @@ class DPMechanism(PlanAndData, LossChecks):
         self.restore_ledger(ledger)
         self.correlated.load(noise_state, ledger.steps, self.collectives.global_rank, ledger.noise_mechanism,
                              self._loader_sampler)
+        if self.plan is not None and self.correlated.cyclic and self.plan.sampler_kind != self.correlated.sampler_kind():
+            # a plan fixed before the load (Fabric) charges the ledger's BLT θ, ω from now on
+            kind = self.correlated.sampler_kind()
+            self.plan = dataclasses.replace(self.plan, sampler_kind=kind, noise_mechanism=self.correlated.record())
+            if self._loader_sampler is not None:
+                self._loader_sampler.sampler_kind = kind
         if self.secure_mode or self._noise_handle is None:  # secure: no seed to reuse; not fitting: no hook
             return
         self._renew_seed()  # (a rollback must not restart this fit's streams either)

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from ..accounting import PrivacyLedger
 from ..accounting.plan import PrivacyPlan
 from ..banded_mf import check_banded_supported
+from .correlated import check_same_stream
 from ..sampling.shards import describe_training_data, private_training_loader
 from ..sampling.users import unit_text, user_level_loader
 
@@ -47,13 +48,19 @@ class PlanAndData:
                  max_steps: Optional[int], max_epochs: Optional[int]) -> PrivacyPlan:
         """Fix the plan for the loader from :meth:`private_loader` (σ calibrated if asked) and open the ledger.
         A plan fixed again (a reloaded loader) keeps the σ of the first."""
+        steps_per_epoch = max(micro_batches_per_epoch // accumulate_grad_batches, 1)
+        if self.correlated.cyclic:  # the ledger's sampler: BandMF's, or a BLT's with its θ, ω (fixed once)
+            restored = None if self._restored is None else self._restored.noise_mechanism
+            planned = max_steps if max_steps is not None and max_steps > 0 else (
+                max_epochs * steps_per_epoch if max_epochs is not None and max_epochs > 0 else None)
+            self.correlated.choose_parameters(restored, planned, steps_per_epoch, self.collectives.broadcast)
+            loader.batch_sampler.sampler_kind = self.correlated.sampler_kind()
         plan = PrivacyPlan.for_sampler(
             loader.batch_sampler, self.accounting, noise_multiplier=self.noise_multiplier,
             max_micro_batch_size=self.max_micro_batch_size, accumulate_grad_batches=accumulate_grad_batches,
             micro_batches_per_epoch=micro_batches_per_epoch, max_steps=max_steps, max_epochs=max_epochs)
         if self.correlated.banded:
-            check_banded_supported(self.bands, max(micro_batches_per_epoch // accumulate_grad_batches, 1),
-                                   self.poisson_sampling)
+            check_banded_supported(self.bands, steps_per_epoch, self.poisson_sampling, self.noise_mechanism)
             plan = dataclasses.replace(plan, noise_mechanism=self.correlated.record())
         self.use_plan(plan)
         return plan
@@ -70,6 +77,7 @@ class PlanAndData:
                     f"run's is {unit_text(plan.privacy_unit)}. Resume with the strategy's privacy_unit and "
                     "max_examples_per_user as the run was started with (its ε is in those units).")
             self.correlated.check_restored(restored.noise_mechanism)
+            check_same_stream(restored, plan)
             if restored.dataset_size != plan.dataset_size or restored.delta != plan.delta:
                 raise ValueError(
                     f"The checkpoint's privacy ledger is for N={restored.dataset_size}, δ={restored.delta}; this "

@@ -32,11 +32,12 @@ broadcast point's output like a layer's input (a dimension that only happens to 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .base import LayerHook, UnsupportedLayerError
 from .provenance import Rows, mark, rows_of
@@ -149,10 +150,26 @@ def _broadcast_point(func, out: torch.Tensor, shared: list, others: list, b: Opt
             break
     if rows is None:
         return None
+    if _per_example_op(func, shared, out.dim(), rows):
+        return rows
     for s in shared:
         if not (s.dim() < out.dim() or s.shape[0] == 1 or (_token_major(rows) and _row_aligned(func, s, out))):
             return None
     return rows
+
+
+#: convolutions, which take a shared value as a weight (Mamba's ``F.conv1d(h, conv1d.weight.unsqueeze(1), bias,
+#: groups=C)``) rather than broadcasting it: at a broadcast point with batch-first rows each example's output is the
+#: convolution of that example alone with its own copy (:func:`_vmapped`). A weight matrix (``F.linear(h, w)``)
+#: stays refused: put it in an ``nn.Linear``
+_WEIGHT_OPS = {torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d}
+
+
+def _per_example_op(func, shared: list, out_dim: int, rows: Rows) -> bool:
+    """``func`` takes a shared value as a weight that does not broadcast over the batch (:data:`_WEIGHT_OPS`), on
+    batch-first rows (one per example: not token-major)."""
+    return func in _WEIGHT_OPS and not _token_major(rows) and any(
+        not (s.dim() < out_dim or s.shape[0] == 1) for s in shared)
 
 
 def _token_major(rows: Rows) -> bool:
@@ -220,12 +237,33 @@ def _row_copies(copy: torch.Tensor, s: torch.Tensor, out_dim: int, ex: torch.Ten
 def _substituted(func, args, kwargs, shared: list, copies: list, out_dim: int, rows: Rows):
     """``func`` with each shared value replaced by its copy, row r of the output reading the copy of its example
     (``rows``: index_select's backward sums each example's rows into its copy's gradient)."""
+    if _per_example_op(func, shared, out_dim, rows):
+        return _vmapped(func, args, kwargs, shared, copies, rows.b)
     ex = rows.examples(copies[0].device) if _token_major(rows) else None
     sub = {id(s): _shaped(c, s, out_dim) if ex is None else _row_copies(c, s, out_dim, ex)
            for s, c in zip(shared, copies)}
     a, kw = tree_map(lambda t: sub[id(t)] if isinstance(t, Shared) else t, (args, kwargs))
     with torch._C.DisableTorchFunctionSubclass():
         return func(*a, **kw)
+
+
+def _vmapped(func, args, kwargs, shared: list, copies: list, b: int) -> torch.Tensor:
+    """``func`` once per example under ``torch.func.vmap``: its batch-first tensors (first dimension ``b``) as that
+    example alone (a batch of one), each shared value as the example's copy, other tensors whole."""
+    flat, spec = tree_flatten((args, kwargs))
+    sub = {id(s): c for s, c in zip(shared, copies)}
+    slots = [k for k, a in enumerate(flat) if isinstance(a, Shared) or (
+        isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == b)]
+
+    def one(*tensors):
+        leaves = list(flat)
+        for k, t in zip(slots, tensors):
+            leaves[k] = t if isinstance(flat[k], Shared) else t.unsqueeze(0)
+        a, kw = tree_unflatten(leaves, spec)
+        return func(*a, **kw).squeeze(0)
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.func.vmap(one)(*[sub[id(flat[k])] if isinstance(flat[k], Shared) else _plain(flat[k])
+                                      for k in slots])
 
 
 def _at_broadcast(func, args, kwargs, out: torch.Tensor, shared: list, origin: Origin, b: int, rows: Rows
@@ -288,7 +326,8 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     b = engine.expected_batch_size if layout is None else layout.rows
     if not hook.__dict__.get("shared_indices"):
         if (not hook.rule.broadcast_batch or not isinstance(x, torch.Tensor) or x.is_floating_point() or b is None
-                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))):
+                or (x.dim() >= hook.rule.min_input_dim and x.shape[0] in (1, b))
+                or rows_of(x) is not None):  # the examples' tokens as rows, (B·T,) or gathered: token_major.py
             return None
         hook.shared_indices = True
     if not engine.clipping_now():
@@ -303,9 +342,22 @@ def on_shared_indices(engine, hook, x: Any, extra: tuple[tuple, dict]) -> Option
     origin = Origin(hook, b, check=not hook.__dict__.get("verified"))
     hook.verified = hook.__dict__.get("verified") or b >= 2
     value = Shared(copy[0], origin, lambda: copy)
-    if _zero3(hook) and hasattr(hook.module, "pre_bwd_fn"):
-        value._zero3 = hook.module  # DeepSpeed's forward hook is next: _zero3_wrapped
+    gathered_in_backward(value, hook)
     return value
+
+
+def gathered_in_backward(out: Any, hook) -> None:
+    """Under ZeRO-3, each shared value in ``out`` (a layer's output: an embedding's on shared indices, an
+    input-free module's such as Swin's relative position bias) gets its copy through the layer's own DeepSpeed
+    ``pre_bwd_fn`` when DeepSpeed's hook after the forward passes it (:func:`_zero3_wrapped`): the copy is
+    broadcast, and its gradient reaches the layer's site, after the layer's forward, when ZeRO-3 has partitioned
+    the layer's parameters; that function's backward gathers them before the site returns their clipped sums.
+    Elsewhere nothing."""
+    if not (_zero3(hook) and hasattr(hook.module, "pre_bwd_fn")):
+        return
+    for value in tree_flatten(out)[0]:
+        if isinstance(value, Shared):
+            value._zero3 = hook.module  # DeepSpeed's forward hook is next: _zero3_wrapped
 
 
 def mark_shared_indices(failures: list) -> set:
@@ -324,10 +376,19 @@ _ZERO3_HOOK_FORWARDS = ("PreBackwardFunctionForModule.forward", "PostBackwardFun
 
 
 def _in_zero3_output_hook() -> bool:
-    """The caller of ``detach`` (this function's caller's caller: ``detach`` is a C method) is the forward of one
+    """The caller of ``detach`` (this function's caller's caller: ``detach`` is a C method; past the handlers of
+    this package between them, such as the token-major row tracker's mode, ``provenance.py``) is the forward of one
     of ZeRO-3's hook functions (``_ZERO3_HOOK_FORWARDS``, DeepSpeed's ``parameter_offload.py``)."""
-    code = sys._getframe(2).f_code
-    return "deepspeed" in code.co_filename and code.co_qualname.endswith(_ZERO3_HOOK_FORWARDS)
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE) and frame.f_code.co_name == \
+            "__torch_function__":
+        frame = frame.f_back
+    code = frame.f_code if frame is not None else None
+    return code is not None and "deepspeed" in code.co_filename and code.co_qualname.endswith(_ZERO3_HOOK_FORWARDS)
+
+
+#: this package's folder: frames of its torch-function handlers are skipped by :func:`_in_zero3_output_hook`
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _zero3_wrapped(value: Shared) -> Shared:

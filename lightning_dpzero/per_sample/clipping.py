@@ -130,6 +130,14 @@ def match_groups(named, groups) -> list[list[torch.nn.Parameter]]:
     return members
 
 
+def _child_path(module: torch.nn.Module, name: str) -> str:
+    """The child of ``module`` whose parameter ``name`` is (``""``: the module's own, a parametrization's sources
+    and parameters included)."""
+    path = name.rpartition(".")[0]
+    own = path.partition(".")[0] == "parametrizations" and torch.nn.utils.parametrize.is_parametrized(module)
+    return "" if own else path
+
+
 def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_grad_norm: float
                 ) -> tuple[list[list[torch.nn.Parameter]], list[float]]:
     """The clipping groups and their thresholds C_k: all-layer one group of every trainable parameter (``named``:
@@ -143,12 +151,18 @@ def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_g
     if clipping == "all-layer":
         members = [[p for _, p in named]]
     elif clipping == "layer-wise":
-        owner: dict[int, int] = {}
+        owner: dict[int, tuple[int, str]] = {}
         for k, h in enumerate(hooks):
-            for p in h.rule.params(h.module):
+            params = h.rule.params(h.module)
+            names = getattr(h.rule, "param_names", ())
+            # a child's parameters that the layer's forward reads directly (dotted names: Mamba's conv1d.weight)
+            # are that child's layer, as if it were called; a parametrization's sources
+            # (parametrizations.weight.original0) are the layer's own, one group with its bias
+            paths = [_child_path(h.module, n) for n in names] if len(names) == len(params) else [""] * len(params)
+            for p, path in zip(params, paths):
                 if p is not None and p.requires_grad:
-                    owner.setdefault(id(p), k)
-        by_hook: dict[int, list] = {}
+                    owner.setdefault(id(p), (k, path))
+        by_hook: dict[tuple[int, str], list] = {}
         for _, p in named:
             by_hook.setdefault(owner[id(p)], []).append(p)
         members = list(by_hook.values())

@@ -89,6 +89,10 @@ def attach_hooks(engine, module: nn.Module, refused: Optional[dict[int, tuple[st
         covered.update(id(p) for p in hook.rule.params(hook.module) if p is not None)
 
     skipped = []
+    # children whose parameters their parent's forward reads without calling them (Mamba's conv1d and dt_proj):
+    # the parent's site covers them with its own direct parameters (step 3); their own rule would see no call
+    read_directly = {id(c): n for _, mod in module.named_modules() for n, c in children_read_directly(mod)}
+    owned |= set(read_directly)
     for name, mod in module.named_modules():  # 0.-1. dedicated rules (a parent before its children)
         reparams = {} if id(mod) in owned else reparametrizations(mod)
         if reparams:  # before anything reads the computed weight (a training-mode spectral_norm updates buffers)
@@ -119,7 +123,14 @@ def attach_hooks(engine, module: nn.Module, refused: Optional[dict[int, tuple[st
         install(LayerHook(engine, mod, name or type(mod).__name__, rule))
     for name, mod in skipped:  # 2.-4.
         own = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
-        if id(mod) in owned or not own:
+        if id(mod) in owned and id(mod) not in read_directly:
+            continue
+        children = [f"{c}.{n}" for c, child in children_read_directly(mod)
+                    for n, p in child.named_parameters(recurse=False) if p.requires_grad]
+        if id(mod) in read_directly or not own + children:
+            continue
+        if children:  # its forward reads them: a parameter used directly, of any shape (broadcast.py)
+            install(ParameterHook(engine, mod, name or "<root>", own + children))
             continue
         candidates = broadcast_candidates(mod)
         views = [n for n in candidates if id(mod._parameters[n]) not in covered]
@@ -139,6 +150,22 @@ def attach_hooks(engine, module: nn.Module, refused: Optional[dict[int, tuple[st
         elif leaf:
             install(GenericHook(engine, mod, name or type(mod).__name__, own))
     return hooks, covered, owned
+
+
+def children_read_directly(mod: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The child modules whose parameters ``mod``'s forward reads without calling them, as (name, child): those
+    Hugging Face declares with ``@force_accelerate_hooks([...])`` on the class's forward (Mamba's mixer: ``conv1d``
+    and ``dt_proj``, whose weights go to ``F.conv1d`` and a matmul; Mamba2, Jamba, FalconMamba and others alike),
+    found through the ``__wrapped__`` chain of the decorators. Nothing for any other module."""
+    names, f = [], getattr(type(mod), "forward", None)
+    while f is not None and not names:
+        code = getattr(f, "__code__", None)
+        if code is not None and "child_module_names" in code.co_freevars and f.__closure__:
+            value = f.__closure__[code.co_freevars.index("child_module_names")].cell_contents
+            names = [value] if isinstance(value, str) else list(value)
+        f = getattr(f, "__wrapped__", None)
+    children = dict(mod.named_children())
+    return [(n, children[n]) for n in names if n in children and isinstance(children[n], nn.Module)]
 
 
 def _input_free(mod: nn.Module) -> bool:

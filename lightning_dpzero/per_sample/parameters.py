@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .base import LayerHook, Site, UnsupportedLayerError
-from .broadcast import Origin, Shared, layout_copy
+from .broadcast import Origin, Shared, gathered_in_backward, layout_copy
 from .generic import InstantiatedGradsRule
 
 
@@ -109,7 +109,8 @@ class ParameterHook(LayerHook):
     while the engine clips; see the module docstring."""
 
     def __init__(self, engine, module: nn.Module, name: str, names: list[str], shared: bool = False):
-        self.params_ = [module._parameters[n] for n in names]
+        # a dotted name is a child's parameter that this module's forward reads directly (coverage.py)
+        self.params_ = [module.get_parameter(n) for n in names]
         super().__init__(engine, module, name, BroadcastParameterRule(names, self.params_))
         self.verified = False
         # a parameter not of shape (1, ...) (ConvNeXt's layer scale (C,), CLIP's class embedding (d,)), or any
@@ -120,17 +121,13 @@ class ParameterHook(LayerHook):
 
     def __call__(self, *args, **kwargs):
         eng = self.engine
-        if self.input_free and any(hasattr(p, "ds_id") for p in self.params_ if p.requires_grad):
-            # its output is computed from the parameters at the broadcast point, after the module's forward, when
-            # ZeRO-3 no longer holds them gathered (not supported yet)
-            raise self._refusal("ZeRO-3 partitions them after this module's forward, before the attention that "
-                                "broadcasts its output uses them (a module whose forward takes no input, e.g. "
-                                "Swin's relative position bias, trains on ZeRO stages 0-2 only)")
         if not eng.clipping_now():
             eng._record_call(self, args, kwargs)
             if self.shared and eng._layout is not None:  # the layout check records its broadcast points
                 origin = Origin(self, None, record=eng._layout)
-                values = [Shared(p, origin, layout_copy(p, eng._layout)) for p in self.params_]
+                # p.detach(): the values as gathered now (ZeRO-3 partitions p after this forward, and an input-free
+                # module's output is broadcast after it: the copies are made there)
+                values = [Shared(p, origin, layout_copy(p.detach(), eng._layout)) for p in self._read(self.params_)]
                 return self._forward_with(self.rule.param_names, values, args, kwargs)
             return self.module_forward(*args, **kwargs)
         b = eng.expected_batch_size if eng.expected_batch_size is not None else _batch_size(args, kwargs)
@@ -143,11 +140,15 @@ class ParameterHook(LayerHook):
         names = [n for n, p in zip(self.rule.param_names, self.params_) if p.requires_grad]
         if self.shared:
             eng._register_site(self)
+            live = self._read(live)
             copies = BroadcastParameterFunction.apply(self, b, True, *live)
             origin = Origin(self, b, check=not self.verified)
             self.verified = self.verified or b >= 2
             values = [Shared(p.detach().clone(), origin, (lambda c=c: c)) for p, c in zip(live, copies)]
-            return self._forward_with(names, values, args, kwargs)
+            out = self._forward_with(names, values, args, kwargs)
+            if self.input_free:  # its output is broadcast after its forward: gathered for the backward there
+                gathered_in_backward(out, self)
+            return out
         reference = None
         if not self.verified and (b >= 2 or self._collective_forward()):
             # Under ZeRO-3 on several ranks each forward gathers parameters collectively, so every rank checks on
@@ -172,10 +173,10 @@ class ParameterHook(LayerHook):
     def _forward_with(self, names, tensors, args, kwargs, grad=True):
         # Shadow the attributes in the instance dict (found before nn.Module.__getattr__ looks in _parameters):
         # ``_parameters`` keeps the Parameters, which DeepSpeed ZeRO-3 walks during the forward.
-        shadow = self.module.__dict__
         try:
             for n, v in zip(names, tensors):
-                shadow[n] = v
+                owner, attr = self._owner(n)
+                owner.__dict__[attr] = v
             if grad:
                 try:
                     return self.module_forward(*args, **kwargs)
@@ -186,7 +187,19 @@ class ParameterHook(LayerHook):
             return self._plain_forward(args, kwargs)
         finally:
             for n in names:
-                shadow.pop(n, None)
+                owner, attr = self._owner(n)
+                owner.__dict__.pop(attr, None)
+
+    def _read(self, params: list) -> list:
+        """``params`` read from their modules as the forward reads them: ZeRO-3 gathers a child's parameter when
+        it is read so during a forward (Mamba's ``conv1d.weight``), its hook gathers only the module's own."""
+        names = {id(p): n for n, p in zip(self.rule.param_names, self.params_)}
+        return [owner._parameters[attr] for owner, attr in (self._owner(names[id(p)]) for p in params)]
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        """The module holding parameter ``name`` (this one, or a child for a dotted name) and its attribute."""
+        path, _, attr = name.rpartition(".")
+        return (self.module.get_submodule(path) if path else self.module), attr
 
     def _plain_forward(self, args, kwargs):
         """The forward without gradients (the engine then stays out of it) under a forked random state, so

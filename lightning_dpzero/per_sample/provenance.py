@@ -15,12 +15,13 @@ carried, per tensor, through
 * ``view``/``reshape``/``flatten``/``unflatten``: row R of the output is elements ``R·K .. R·K+K-1`` of the input
   (K its row length); the map survives where each output row lies within one example (merging the batch with
   the following dimensions, or splitting rows of one example);
-* indexing along dimension 0 (``t[idx]``, ``t[a:b]``, ``index_select(t, 0, idx)``): the map indexed alike; a
+* indexing along dimension 0 (``t[idx]``, ``t[a:b]``, ``t[idx, col]``, ``index_select(t, 0, idx)``): the map indexed alike; a
   table indexed by a mapped index (``table[ids]``) gets the index's map;
 * operations that keep dimension 0 as it is: elementwise ones (every other operand broadcast, or of the same
   map), reductions, softmax, ``topk``, ``cat``/``chunk``/``split`` along another dimension, ``permute`` and
   ``transpose`` that leave dimension 0 first, ``matmul`` of two operands with the same map or of a mapped
-  operand by a shared matrix, ``linear``, ``layer_norm``, ``pad`` of other dimensions.
+  operand by a shared matrix, ``linear``, ``layer_norm``, ``pad`` of other dimensions, convolutions and pooling
+  of a batched input (a frozen patch embedding: Swin's with LoRA).
 
 An operation on a mapped tensor that is none of these marks its output *lost* with the operation's name: a
 layer whose input's first dimension is not the micro-batch and that carries such a mark is refused with that
@@ -168,6 +169,9 @@ _ALONG = {
 _SECOND_DIM = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1")}
 _RESHAPE = {"view", "reshape", "flatten", "view_as", "reshape_as", "unflatten", "ravel"}
 _MATMUL = {"matmul", "__matmul__", "bmm", "baddbmm", "scaled_dot_product_attention", "linear", "embedding"}
+#: ops over the spatial dimensions of a batched (N, C, *spatial) input: each output row from its own input row
+_SPATIAL = {f"{op}{n}d" for n in (1, 2, 3) for op in ("conv", "conv_transpose", "avg_pool", "max_pool", "lp_pool",
+                                                      "adaptive_avg_pool", "adaptive_max_pool")}
 _IGNORED = {"__get__", "__set__", "dim", "size", "numel", "__len__", "__bool__", "item", "tolist", "__repr__",
             "__format__", "is_floating_point", "data_ptr", "stride", "element_size", "is_contiguous",
             "backward", "register_hook", "retain_grad", "_is_view"}
@@ -232,9 +236,18 @@ def _indexed(rows: Rows, key: Any, out: torch.Tensor) -> Optional[Rows]:
     """The map of ``t[key]`` where ``t`` has ``rows``: ``key``'s first entry indexes dimension 0 (a full slice,
     a slice, or a 1-D integer or boolean index), the others (slices, integers, ``...``) other dimensions."""
     keys = key if isinstance(key, tuple) else (key,)
-    if not keys or any(k is None or isinstance(k, torch.Tensor) for k in keys[1:]):
+    if not keys:
         return None
     first = keys[0]
+    if isinstance(first, torch.Tensor) and first.dim() == 1 and first.dtype != torch.bool:
+        # with other 1-D integer indices of the same length (a value per row picked by a column index, Mixtral's
+        # top_k_weights[token_idx, top_k_pos, None]) dimension 0 of the output is still the first index's: the
+        # indices broadcast to its length, in front whether or not they are adjacent
+        if not all(k.dim() == 1 and k.shape == first.shape and not k.is_floating_point() and k.dtype != torch.bool
+                   for k in keys[1:] if isinstance(k, torch.Tensor)):
+            return None
+    elif any(k is None or isinstance(k, torch.Tensor) for k in keys[1:]):
+        return None
     if first is Ellipsis:
         if sum(k is not Ellipsis for k in keys[1:]) >= out.dim() + 1:  # the ellipsis covers no dimension
             return None
@@ -328,6 +341,9 @@ class RowTracker(TorchFunctionMode):
             return r0 if ok and all(r.same(r0) for _, r in mapped) else None
         if name in _MATMUL:
             return self._matmul(name, ins, mapped, outs)
+        if name in _SPATIAL:  # batched only (an unbatched input's first dimension is its channels); weights shared
+            ok = t0 is ins[0] and len(mapped) == 1 and t0.dim() == int(name[-2]) + 2
+            return r0 if ok and all(o.dim() >= 1 and o.shape[0] == r0.rows for o in outs) else None
         if name in _ALONG:
             pos, key, default = _ALONG[name]
             if name in ("cat", "concat", "stack"):  # (tensors, dim)

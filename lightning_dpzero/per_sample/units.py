@@ -34,6 +34,17 @@ import torch
 from .base import Site, UnsupportedLayerError
 
 
+def slots(index: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each row's slot within its group: its rank among the rows of its group ``index[r]``, in row order
+    (``counts``: the rows per group, ``bincount(index)``); ``(R,)`` int64, the position of row r in a
+    ``(groups, max(counts), ...)`` layout."""
+    order = torch.sort(index, stable=True).indices
+    start = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(index)
+    slot[order] = torch.arange(index.numel(), device=index.device) - start[index[order]]
+    return slot
+
+
 class Units:
     """The micro-batch's B rows grouped into U privacy units.
 
@@ -70,12 +81,7 @@ class Units:
         self.index, self.count, self.rows = index, int(counts.numel()), B
         self.row_weight = (1.0 / counts.float())[index] if B else torch.zeros(0)
         self.n_max = int(counts.max()) if B else 0
-        # each row's slot within its unit: its rank among the unit's rows, in row order
-        order = torch.sort(index, stable=True).indices
-        start = torch.cumsum(counts, 0) - counts
-        slot = torch.empty_like(index)
-        slot[order] = torch.arange(B, device=index.device) - start[index[order]]
-        self.slot = slot
+        self.slot = slots(index, counts)
         self._last: Optional[tuple] = None  # (key, source, regrouped): q, k and v read one input, regrouped once
 
     def to(self, device: torch.device) -> "Units":

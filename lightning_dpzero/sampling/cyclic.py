@@ -1,7 +1,8 @@
-"""Cyclic Poisson sampling for banded matrix factorization (BandMF; Choquette-Choo et al., NeurIPS 2023, Alg. 2).
+"""Cyclic Poisson sampling for banded matrix factorization (BandMF; Choquette-Choo et al., NeurIPS 2023, Alg. 2)
+and BLT noise.
 
-The training set is split once into b fixed, disjoint parts that cover it (:func:`cyclic_parts`, deterministic from
-``partition_seed`` and identical on every rank); optimizer step t Poisson-samples part ``t mod b`` at rate
+The training set is split once into b fixed, disjoint parts that cover it (:func:`cyclic_parts`: each example's part
+drawn independently from ``partition_seed``, identical on every rank); optimizer step t Poisson-samples part ``t mod b`` at rate
 ``q_b = expected batch / (N / b) = b · q``. Every example is thus sampled at most once per round of b steps, which
 is what lets a b-banded ``C`` keep each participation's sensitivity at C_clip (:mod:`..banded_mf`).
 
@@ -23,18 +24,23 @@ __all__ = ["cyclic_parts", "CyclicPoissonBatchSampler"]
 
 
 def cyclic_parts(num_samples: int, bands: int, partition_seed: int) -> list[np.ndarray]:
-    """The b = ``bands`` parts (sorted int64 index arrays, sizes differing by at most one) of ``range(num_samples)``:
-    a permutation drawn from ``partition_seed``, cut into b consecutive pieces. ``ValueError`` if b > N or b < 1.
+    """The b = ``bands`` parts (sorted int64 index arrays) of ``range(num_samples)``: each example is assigned to a
+    part uniformly at random, independently of the others (from ``partition_seed``), so parts hold about N/b
+    examples each. ``ValueError`` if b > N or b < 1.
+
+    Why independent and not a permutation cut into equal pieces: ε is for adding or removing one example, and the
+    privacy argument compares the two datasets with every other example in the same part. Independent assignment
+    allows that (the added example draws its own part); equal pieces do not (one more example moves the cuts).
 
     Example:
         >>> parts = cyclic_parts(10, 3, partition_seed=0)
-        >>> sorted(np.concatenate(parts).tolist()) == list(range(10)), [len(p) for p in parts]
-        (True, [4, 3, 3])
+        >>> sorted(np.concatenate(parts).tolist()) == list(range(10)), len(parts)
+        (True, 3)
     """
     if bands < 1 or bands > num_samples:
         raise ValueError(f"bands={bands} must be in [1, N={num_samples}]: each of the b parts needs an example.")
-    perm = np.random.default_rng([int(partition_seed), 0x42A4D]).permutation(int(num_samples))
-    return [np.sort(p) for p in np.array_split(perm, int(bands))]
+    assignment = np.random.default_rng([int(partition_seed), 0x42A4D]).integers(0, int(bands), size=int(num_samples))
+    return [np.flatnonzero(assignment == p).astype(np.int64) for p in range(int(bands))]
 
 
 class CyclicPoissonBatchSampler(DistributedPoissonBatchSampler):
@@ -78,8 +84,8 @@ class CyclicPoissonBatchSampler(DistributedPoissonBatchSampler):
         self._drawn: deque[int] = deque()  # the step index of each micro-batch drawn and not yet run
         self.part_rate = self.bands * self.sample_rate
         if self.part_rate > 1:
-            raise ValueError(f"q_b = bands · q = {self.bands} · {self.sample_rate:g} > 1: each part holds N/b "
-                             "examples, fewer than one expected batch. Use fewer bands or a smaller batch.")
+            raise ValueError(f"q_b = bands · q = {self.bands} · {self.sample_rate:g} > 1: each part holds about "
+                             "N/b examples, fewer than one expected batch. Use fewer bands or a smaller batch.")
         self.set_partition(self.partition_seed)
 
     def set_partition(self, partition_seed: int) -> None:

@@ -78,6 +78,19 @@ def test_a_value_expanded_over_the_rows_keeps_the_map():
     assert lost_at(unknown) == "add"
 
 
+def test_convolutions_and_pooling_of_a_batched_input_keep_the_map():
+    """A frozen patch embedding (Swin's with LoRA: no rule seeds its output) convolves and pools each example
+    alone; an unbatched input's first dimension is its channels, not the rows."""
+    x = _batch(B, 1, 8, 8)
+    with RowTracker():
+        patches = F.conv2d(x, torch.randn(4, 1, 2, 2), stride=2)  # (B, 4, 4, 4)
+        pooled = F.adaptive_avg_pool2d(F.max_pool2d(patches, 2), 1)
+        rows = patches.flatten(2).transpose(1, 2).reshape(-1, 4)  # (B·16, 4): the tokens as rows
+        unbatched = F.conv1d(rows[:, :2].t(), torch.randn(3, 2, 1))  # (2, B·16) read as (channels, length)
+    assert rows_of(patches).same(Rows(B)) and rows_of(pooled).same(Rows(B)) and rows_of(rows).m == 16
+    assert rows_of(unbatched) is None and lost_at(unbatched) is not None
+
+
 def test_an_op_that_mixes_rows_loses_the_map():
     x = _batch(B, T, D)
     with RowTracker():
@@ -149,10 +162,145 @@ def test_a_lost_map_is_refused_with_the_operation():
         _check(_FlatMLP("roll"), *_data())
 
 
-def test_gathered_rows_at_a_dedicated_rule_are_refused():
+def test_gathered_rows_at_a_dedicated_rule_match_the_oracle():
+    """The rows reversed (gathered by an index) before the LayerNorm and Linear: each laid out per example."""
     torch.manual_seed(0)
-    with pytest.raises(UnsupportedLayerError, match="gathered from the examples by an index"):
-        _check(_FlatMLP("gather"), *_data())
+    model, (x, y) = _FlatMLP("gather"), _data()
+    ref = clipped_sum(model, per_example_grads_loop(model, F.cross_entropy, x, y), 0.1, "all-layer")
+    _check(model, x, y)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), ref[n], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------- rows gathered by an index at dedicated rules
+V, KEEP = 16, 8  # vocabulary; the tokens with ids ≥ KEEP also go through the gathered embedding and norms
+
+
+class _Gathered(nn.Module):
+    """Every rule that takes gathered rows: a Mixtral-like MoE of nn.Linear experts (top-2 of 6), and an Embedding,
+    LayerNorm and RMSNorm on the tokens with ids ≥ ``keep`` (``torch.where``), added back with ``index_add``."""
+
+    def __init__(self, dispatch="where", keep=KEEP):
+        super().__init__()
+        from zoo_moe import LinearExpertsMoE
+
+        self.tok, self.picked, self.keep = nn.Embedding(V, D), nn.Embedding(V, D), keep
+        self.ln, self.rms, self.head = nn.LayerNorm(D), nn.RMSNorm(D, eps=1e-6), nn.Linear(D, 3)
+        self.moe = LinearExpertsMoE(D, 8, experts=6, top_k=2, dispatch=dispatch)
+
+    def forward(self, ids):  # (B, T)
+        flat, idx = self.tok(ids).reshape(-1, D), ids.reshape(-1)
+        kept = torch.where(idx >= self.keep)[0]
+        extra = self.rms(self.ln(flat[kept]) + self.picked(idx[kept]))
+        h = flat.index_add(0, kept, extra).view(*ids.shape, D)
+        return self.head((h + self.moe(h)).mean(1))
+
+
+def _ids(n=4):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (n, 4), generator=g)
+    ids[1] = ids[1] % KEEP  # example 1: no token kept
+    return ids, torch.randint(0, 3, (n,), generator=g)
+
+
+def _routes(model, ids):
+    """Rows each example sends to each expert, (B, E)."""
+    with torch.no_grad():
+        h = model.tok(ids).reshape(-1, D)
+        kept = torch.where(ids.reshape(-1) >= model.keep)[0]
+        h = h.index_add(0, kept, model.rms(model.ln(h[kept]) + model.picked(ids.reshape(-1)[kept])))
+        chosen = model.moe.gate(h).topk(2, dim=-1).indices.view(ids.shape[0], -1)
+    return torch.stack([(chosen == e).sum(1) for e in range(len(model.moe.experts))], 1)
+
+
+@pytest.mark.parametrize("clipping,mode", [("all-layer", "book-keeping"), ("all-layer", "two-pass"),
+                                           ("layer-wise", "book-keeping")])
+@pytest.mark.parametrize("dispatch", ["where", "index_select", "mask"])
+def test_gathered_rows_match_the_float64_oracle(dispatch, clipping, mode):
+    """Σ_i clip(g_i) of the engine in float64 equals the per-example backward loop's to 1e-8 (the engine forms the
+    norms and coefficients in float32: 1e-9 here; a row given to another example: 1e-1), with examples that
+    route no token to some expert, one that keeps no token for the gathered embedding and norms, and every
+    group clipped (C small)."""
+    torch.manual_seed(0)
+    model, (ids, y) = _Gathered(dispatch).double(), _ids()
+    routes = _routes(model, ids)
+    assert (routes == 0).any() and (routes >= 2).any()  # segments of 0 rows and of several
+    ref = clipped_sum(model, per_example_grads_loop(model, F.cross_entropy, ids, y), 0.05, clipping)
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping=clipping, clipping_mode=mode).attach()
+    try:
+        assert engine.check_layout(lambda i: F.cross_entropy(model(ids if i is None else ids[i]),
+                                                             y if i is None else y[i]), ids.shape[0])
+        with engine.micro_batch(batch_size=ids.shape[0]):
+            backward(engine, F.cross_entropy(model(ids), y))
+    finally:
+        engine.detach()
+    assert engine.stats["clipped"] == ids.shape[0]
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=1e-8, msg=lambda m: f"{n}: {m}")
+
+
+def test_gathered_rows_of_no_example_give_zero_gradients():
+    """No token kept at all: the embedding and the norms are called on zero rows, and their clipped sums are 0."""
+    torch.manual_seed(0)
+    model, (ids, y) = _Gathered(keep=V).double(), _ids()
+    ref = clipped_sum(model, per_example_grads_loop(model, F.cross_entropy, ids, y), 0.05, "layer-wise")
+    engine = PerSampleEngine(model, max_grad_norm=0.05, clipping="layer-wise").attach()
+    try:
+        with engine.micro_batch(batch_size=ids.shape[0]):
+            F.cross_entropy(model(ids), y).backward()
+    finally:
+        engine.detach()
+    for n, p in model.named_parameters():
+        if n.startswith(("picked", "ln", "rms")):
+            assert not p.grad.any(), n
+        torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=1e-8, msg=lambda m: f"{n}: {m}")
+
+
+def test_gathered_rows_as_many_as_the_examples_are_not_taken_for_the_batch():
+    """An expert given exactly B rows (here B = 4 of the 16 tokens' 32 picks): its input's shape looks batch first,
+    its row map says otherwise, and the map wins (each row's gradient goes to its own example)."""
+    from zoo_moe import LinearExpertsMoE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LinearExpertsMoE(D, 8, experts=6, top_k=2)).double()
+    x = torch.randn(4, 4, D, dtype=torch.float64)
+    with torch.no_grad():
+        chosen = model[0].gate(x.reshape(-1, D)).topk(2, dim=-1).indices
+    assert 4 in [int((chosen == e).sum()) for e in range(6)]
+    ref = clipped_sum(model, per_example_grads_loop(model, lambda out, y: out.sum(), x, torch.zeros(4)), 1e-4,
+                      "layer-wise")
+    engine = PerSampleEngine(model, max_grad_norm=1e-4).attach()
+    try:
+        with engine.micro_batch(batch_size=4):
+            model(x).sum((1, 2)).mean().backward()
+    finally:
+        engine.detach()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=1e-8, msg=lambda m: f"{n}: {m}")
+
+
+def test_gathered_rows_at_a_rule_that_is_not_row_wise_are_refused():
+    """A convolution on gathered rows (R, C, L) cannot take them laid out (B, n, C, L): refused before any update,
+    naming the layer."""
+    class ConvOnGathered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.conv = nn.Linear(D, D), nn.Conv1d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            rows = self.fc(x).reshape(-1, 2, D // 2)
+            return self.conv(rows[torch.arange(rows.shape[0] - 1, -1, -1)]).view(x.shape[0], -1).sum(1)
+
+    model, x = ConvOnGathered(), torch.randn(B, T, D)
+    engine = PerSampleEngine(model, max_grad_norm=1.0).attach()
+    try:
+        with pytest.raises(UnsupportedLayerError, match="Conv1d 'conv'.*gathered from the examples by an index"):
+            with engine.micro_batch(batch_size=B):
+                model(x).sum().backward()
+        assert model.fc.weight.grad is None
+    finally:
+        engine.detach()
 
 
 def test_the_layout_check_proves_the_map():

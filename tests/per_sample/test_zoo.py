@@ -26,14 +26,21 @@ B, C = 4, 0.5
 FULL = ["gpt2", "llama", "qwen2", "mistral", "t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "nanogpt"]
 #: models with parameters used directly in the forward (or an embedding on indices shared by every example)
 DIRECT = ["clip_vision", "convnext", "nanogpt", "t5", "swin"] + (["mamba"] if zoo.has_mamba() else [])
-DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "wpe", "relative_attention_bias",
-                "relative_position_bias_table")
+DIRECT_NAMES = ("class_embedding", "layer_scale", "A_log", "mixer.D", "dt_proj", "mixer.conv1d", "wpe",
+                "relative_attention_bias", "relative_position_bias_table")
 DECODERS = ["gpt2", "llama", "qwen2", "mistral"]
 #: layers that get the examples' tokens as rows (B·T, d): OPT's feed-forward, the MoEs' routers and experts,
-#: Swin's window attention
-TOKEN_MAJOR = ["opt", "mixtral", "qwen2_moe", "swin"]
+#: Swin's window attention; OPT with HuggingFace's activation checkpointing (its decoder layer's reshape recomputed
+#: in the backward); Mixtral with nn.Linear experts on the rows gathered for each
+TOKEN_MAJOR = ["opt", "opt_checkpointed", "mixtral", "qwen2_moe", "swin", "mixtral_linear"]
 #: PyTorch's nn.TransformerEncoder / nn.TransformerDecoder (float -inf masks, is_causal, the nested-tensor path)
 TORCH = ["torch_encoder_lm", "torch_padded", "torch_seq2seq"]
+#: every HuggingFace family with LoRA adapters (zoo.with_lora)
+LORA = (DECODERS + ["t5", "bert", "vit", "wav2vec2", "clip_vision", "convnext", "opt", "mixtral", "qwen2_moe",
+                   "mixtral_linear", "swin"] + (["mamba"] if zoo.has_mamba() else []))
+#: LoRA on ZeRO-3: one family of each path (a decoder with HF's Conv1D, encoder-decoder, a classifier's head in
+#: modules_to_save, token-major windows, an MoE, parameters read directly), to keep the suite's time
+LORA_ZERO3 = ["gpt2", "t5", "bert", "swin", "mixtral"] + (["mamba"] if zoo.has_mamba() else [])
 
 
 def _loss(model, x, y):
@@ -85,15 +92,20 @@ def test_hf_norms_through_the_generic_rule_match_the_oracle(kind, monkeypatch):
     assert "InstantiatedGradsRule" in _engine_vs_oracle(model, x, y, "layer-wise")
 
 
-@pytest.mark.parametrize("kind", DECODERS)
-def test_lora_matches_the_oracle(kind):
+@pytest.mark.parametrize("clipping", ["all-layer", "layer-wise"])
+@pytest.mark.parametrize("kind", LORA)
+def test_lora_matches_the_oracle(kind, clipping):
+    """peft's LoRA adapters on each family's usual targets (zoo.LORA_TARGETS), a classifier's head trained next to
+    them (modules_to_save): only those train, and their clipped sum equals the float64 per-example loop's."""
     pytest.importorskip("peft")
     torch.manual_seed(2)
     model = zoo.with_lora(zoo.build(kind), kind).train()
     x, y = zoo.make_data(kind, B)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    _engine_vs_oracle(model, x, y, "all-layer", C=0.005)
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    heads = tuple(f".{h}.modules_to_save.default." for h in zoo.LORA_HEADS.get(kind, []))
+    assert all("lora_" in n or n.startswith("head.") or any(h in n for h in heads) for n in trainable), trainable
+    _engine_vs_oracle(model, x, y, clipping, C=0.005)
 
 
 @pytest.mark.parametrize("batch", [3, 5])  # 5 and 3: the encoder's and the decoder's length equal B
@@ -166,6 +178,19 @@ def test_zoo_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path)
 
 
 @pytest.mark.slow
+def test_lora_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """peft's LoRA adapters (and a classifier's head, modules_to_save), the frozen weights partitioned with them,
+    on ZeRO-3 with 2 processes and Poisson micro-batches of 0 to several examples (σ = 0), all-layer and layer-wise
+    in turn, for one family of each path (``LORA_ZERO3``): equal to the single-process replay from per-example
+    gradients."""
+    pytest.importorskip("peft")
+    cases = [dict(name=f"lora_{k}_{clip}", model=f"zoo_lora:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
+             for i, k in enumerate(LORA_ZERO3) for clip in [("all-layer", "layer-wise")[i % 2]]]
+    _match_the_replay(cases, tmp_path)
+
+
+@pytest.mark.slow
 def test_token_major_models_train_on_zero3_with_two_processes_and_match_the_replay(tmp_path):
     """OPT's feed-forward on (B·T, d) rows and Mixtral's router and experts (the generic rule, one recomputation
     per example on its rows) on ZeRO-3 with 2 processes, Poisson batches (micro-batches of 0, 1 or more examples,
@@ -173,6 +198,46 @@ def test_token_major_models_train_on_zero3_with_two_processes_and_match_the_repl
     cases = [dict(name=f"zoo_{k}_{clip}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
                   clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop")
              for k, clip in (("opt", "all-layer"), ("mixtral", "layer-wise"))]
+    _match_the_replay(cases, tmp_path)
+
+
+@pytest.mark.slow
+def test_swin_bias_table_and_mamba_train_on_zero3_with_two_processes_and_match_the_replay(tmp_path):
+    """Swin's relative position bias table (an input-free module, its output broadcast over the (B·windows, heads,
+    N, N) attention scores after its forward, when ZeRO-3 has partitioned the table) and Mamba's mixer (A_log, D,
+    and its conv1d's and dt_proj's parameters read without calling them) on ZeRO-3 with 2 processes, Poisson
+    micro-batches of 0 to several examples (σ = 0): all-layer with every parameter partitioned and no prefetch (the
+    copies' backward gathers the parameters itself) and layer-wise with DeepSpeed's defaults, equal to the
+    single-process replay from per-example gradients, each of these parameters' update included (tiny for the
+    first stage's tables: compared relative to the replay's)."""
+    from harness import ZERO3_EVERY_PARAM_PARTITIONED, expected_params, run_cases
+
+    cases = [dict(name=f"zoo_{k}_{clip}", model=f"zoo:{k}", stage=3, sigma=0.0, C=0.5, clipping=clip,
+                  clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5, oracle="loop",
+                  zero_config=config)
+             for k in ["swin"] + (["mamba"] if zoo.has_mamba() else [])
+             for clip, config in (("all-layer", ZERO3_EVERY_PARAM_PARTITIONED), ("layer-wise", {}))]
+    results = run_cases(cases, tmp_path, world_size=2, timeout=900)
+    _assert_replayed(cases, results)
+    for case in cases:
+        res, want = results[case["name"]], expected_params(case, results[case["name"]])
+        direct = [k for k in want if any(d in k for d in DIRECT_NAMES)]
+        assert direct, case["name"]
+        for k in direct:  # before, ZeRO-3's hook cut the table's gradient: it did not move, within 1e-5 of the replay
+            step, done = want[k].float() - res["init"][k], res["final"][k] - res["init"][k]
+            assert step.abs().max() > 0, (case["name"], k)
+            torch.testing.assert_close(done, step, rtol=1e-2, atol=1e-9, msg=lambda m: f"{case['name']} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_linear_expert_moe_trains_on_zero3_with_two_processes_and_matches_the_replay(tmp_path):
+    """Mixtral with nn.Linear experts on the rows gathered for each (token_major.Gathered: each expert's rows laid
+    out per example, a different number per example and micro-batch, none included) on ZeRO-3 with 2 processes and
+    Poisson micro-batches of 0 to several examples (σ = 0), all-layer and layer-wise: equal to the single-process
+    replay. Every expert runs in every forward, on no row if none chose it, so both ranks gather the same layers."""
+    cases = [dict(name=f"zoo_mixtral_linear_{clip}", model="zoo:mixtral_linear", stage=3, sigma=0.0, C=0.5,
+                  clipping=clip, clipping_fn="abadi", poisson=True, accumulate=1, steps=3, n=24, batch_size=3, lr=0.5,
+                  oracle="loop") for clip in ("all-layer", "layer-wise")]
     _match_the_replay(cases, tmp_path)
 
 
