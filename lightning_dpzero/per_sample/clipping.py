@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from ..util.options import Clipping, ClippingFn, ClippingMode, check_option
+from .coverage import children_read_directly
 
 
 def validate_clipping(clipping: str, clipping_fn: str, max_grad_norm: float, gamma: float,
@@ -130,12 +131,12 @@ def match_groups(named, groups) -> list[list[torch.nn.Parameter]]:
     return members
 
 
-def _child_path(module: torch.nn.Module, name: str) -> str:
-    """The child of ``module`` whose parameter ``name`` is (``""``: the module's own, a parametrization's sources
-    and parameters included)."""
+def _child_path(module: torch.nn.Module, name: str, read_directly: frozenset) -> str:
+    """The child of ``module`` whose parameter ``name`` is, when that child is one the forward reads without
+    calling it (``read_directly``: Mamba's ``conv1d``, ``dt_proj``); ``""`` otherwise: the module's own layer (a
+    parametrization's sources, ``nn.MultiheadAttention``'s ``out_proj``, a rule's other children)."""
     path = name.rpartition(".")[0]
-    own = path.partition(".")[0] == "parametrizations" and torch.nn.utils.parametrize.is_parametrized(module)
-    return "" if own else path
+    return path if path.partition(".")[0] in read_directly else ""
 
 
 def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_grad_norm: float
@@ -158,7 +159,9 @@ def form_groups(clipping: str, hooks, named, groups, group_max_grad_norms, max_g
             # a child's parameters that the layer's forward reads directly (dotted names: Mamba's conv1d.weight)
             # are that child's layer, as if it were called; a parametrization's sources
             # (parametrizations.weight.original0) are the layer's own, one group with its bias
-            paths = [_child_path(h.module, n) for n in names] if len(names) == len(params) else [""] * len(params)
+            direct = frozenset(n for n, _ in children_read_directly(h.module)) if names else frozenset()
+            paths = ([_child_path(h.module, n, direct) for n in names] if len(names) == len(params)
+                     else [""] * len(params))
             for p, path in zip(params, paths):
                 if p is not None and p.requires_grad:
                     owner.setdefault(id(p), (k, path))
