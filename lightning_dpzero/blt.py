@@ -66,6 +66,15 @@ class BLTNoiseSource:
         self.state: list[torch.Tensor] = []  # per parameter: (d, *shape) fp32
         self.step = 0                        #: optimizer steps noised so far
         self._index: Optional[int] = None
+        self._on_device: dict = {}  # device -> (ω, θ) tensors
+
+    def _weights(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """ω and θ as fp32 tensors on ``device``, made once per device (not per parameter and step)."""
+        found = self._on_device.get(device)
+        if found is None:
+            found = self._on_device[device] = (torch.tensor(self.params.omega, dtype=torch.float32, device=device),
+                                               torch.tensor(self.params.theta, dtype=torch.float32, device=device))
+        return found
 
     @property
     def params(self) -> BLTParams:
@@ -92,9 +101,9 @@ class BLTNoiseSource:
         s = self.state[i]
         if s.device != z.device:  # loaded from a checkpoint on the CPU: onto the partition's device, once
             s = self.state[i] = s.to(z.device)
+        omega, theta = self._weights(s.device)
         shape_d = (-1,) + (1,) * z.dim()
-        omega = torch.tensor(self.params.omega, dtype=torch.float32, device=s.device).view(shape_d)
-        theta = torch.tensor(self.params.theta, dtype=torch.float32, device=s.device).view(shape_d)
+        omega, theta = omega.view(shape_d), theta.view(shape_d)
         nu = z.float() - (omega * s).sum(0)
         s.mul_(theta).add_(nu.unsqueeze(0))
         return nu.to(z.dtype)

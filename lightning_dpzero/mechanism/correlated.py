@@ -111,7 +111,7 @@ class CorrelatedNoise:
         if self.noise_mechanism != "blt" or self.blt_params is not None:
             return
         if restored is not None and restored.get("theta") is not None:
-            self.blt_params = BLTParams(tuple(restored["theta"]), tuple(restored["omega"]))
+            self.blt_params = _blt_of_record(restored)
             return
         found = blt_for_run(planned_steps, steps_per_epoch, self.bands)
         theta, omega = broadcast((list(found.theta), list(found.omega)))
@@ -136,7 +136,10 @@ class CorrelatedNoise:
             return None
         seed = self.partition_seed if partition_seed is None else partition_seed
         blt = self.noise_mechanism == "blt"
-        digest = self.blt_params.digest() if blt and self.blt_params else None if blt else coefficients_digest(self.bands)
+        if blt:
+            digest = self.blt_params.digest() if self.blt_params is not None else None
+        else:
+            digest = coefficients_digest(self.bands)
         found = {"mechanism": self.noise_mechanism, "bands": self.bands, "coefficients_digest": digest,
                  "partition_seed": None if seed is None else int(seed)}
         if blt and self.blt_params is not None:
@@ -206,7 +209,7 @@ class CorrelatedNoise:
         if self.noise_mechanism == "blt" and restored is not None and restored.get("theta") is not None:
             # the ledger's θ, ω (a Fabric loop fixed its plan, with θ, ω optimised for its own planned steps,
             # before the load: DPMechanism.resume re-keys that plan)
-            self.blt_params = BLTParams(tuple(restored["theta"]), tuple(restored["omega"]))
+            self.blt_params = _blt_of_record(restored)
         if restored is not None and restored.get("partition_seed") is not None:
             self.partition_seed = int(restored["partition_seed"])
             if hasattr(sampler, "set_partition"):
@@ -249,6 +252,11 @@ class CorrelatedNoise:
             raise ValueError(f"noise_mechanism={self.noise_mechanism!r} does not support DeepSpeed's fp16 with dynamic loss "
                              "scaling: an overflow skips an update that the parts' schedule counts. Use "
                              "precision='bf16-mixed' or 32, or noise_mechanism='dp-sgd'.")
+
+
+def _blt_of_record(record: dict) -> BLTParams:
+    """A BLT's θ, ω from the ledger's ``noise_mechanism`` record."""
+    return BLTParams(tuple(record["theta"]), tuple(record["omega"]))
 
 
 class _NoBase:
